@@ -1,0 +1,95 @@
+"""`trl_ext.PPOConfig`: TRL's PPOConfig, every field with its TRL meaning, plus validation and trl_ext's fields.
+
+Differences from TRL 1.12 (each one a reported defect):
+- `bf16` left unset resolves to True only where bf16 can run (a CUDA device that supports it). TRL resolves it to True
+  everywhere, so `PPOConfig(output_dir=...)` raises on a CPU-only machine. An explicit `bf16=True` is never changed.
+- `stop_token` left unset means "stop at the tokenizer's EOS" (TRL: generation ignores EOS and the reward model scores
+  the text after it). `stop_token="none"` opts out explicitly; `stop_token_id` still picks any other token.
+- `kl_estimator` also accepts "k2".
+- Every numeric field is checked in `__post_init__`: a bad value raises a ValueError that names it and the fix.
+"""
+
+from dataclasses import dataclass, field
+
+import torch
+
+from ._trl import TRLPPOConfig
+from .core import KL_ESTIMATORS
+
+STOP_TOKENS = ("eos", "none")
+
+
+def _bf16_available() -> bool:
+    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+
+
+@dataclass
+class PPOConfig(TRLPPOConfig):
+    r"""
+    Configuration for [`trl_ext.PPOTrainer`]. Every field of TRL's `PPOConfig` keeps its meaning; see the module
+    docstring for the defaults trl_ext changes and why.
+
+    Parameters:
+        stop_token (`str`, *optional*):
+            `None` (default) or `"eos"`: generation stops at the tokenizer's EOS token, which is a real response
+            token (it is in the loss and receives the score). `"none"`: no stop token. Mutually exclusive with
+            `stop_token_id`, which stops at any other token id.
+        kl_estimator (`str`, defaults to `"k1"`):
+            Estimator of KL(π_θ‖π_ref) used in the per-token reward penalty: `"k1"`, `"k2"` or `"k3"`
+            (http://joschu.net/blog/kl-approx.html).
+    """
+
+    bf16: bool | None = field(
+        default=None,
+        metadata={
+            "help": "Use bf16 mixed precision. Unset: True where a CUDA device supports bf16, else False (TRL's "
+            "unset default raises on CPU-only machines). An explicit value is used as given."
+        },
+    )
+    stop_token: str | None = field(
+        default=None,
+        metadata={
+            "help": "Stop token for generation: None (default) or 'eos' stop at the tokenizer's EOS; 'none' disables "
+            "stopping. Mutually exclusive with `stop_token_id`."
+        },
+    )
+    kl_estimator: str = field(
+        default="k1",
+        metadata={"help": "KL estimator for the reward penalty: 'k1', 'k2' or 'k3' (http://joschu.net/blog/kl-approx.html)."},
+    )
+
+    def __post_init__(self):
+        if self.bf16 is None:
+            self.bf16 = (not self.fp16) and _bf16_available()
+        self._validate()
+        super().__post_init__()
+
+    def _validate(self):
+        def check(ok: bool, message: str):
+            if not ok:
+                raise ValueError(message)
+
+        check(self.kl_estimator in KL_ESTIMATORS,
+              f"kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}; pick one of them.")
+        check(self.stop_token is None or self.stop_token in STOP_TOKENS,
+              f"stop_token={self.stop_token!r} is not one of None, 'eos', 'none'; use stop_token_id=<id> for any "
+              "other token.")
+        check(not (self.stop_token is not None and self.stop_token_id is not None),
+              f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} are both set; set only one.")
+        check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (it is the weight of the KL penalty).")
+        check(self.cliprange > 0, f"cliprange={self.cliprange} must be > 0 (typical: 0.2).")
+        check(self.cliprange_value > 0, f"cliprange_value={self.cliprange_value} must be > 0 (typical: 0.2).")
+        check(0 <= self.gamma <= 1, f"gamma={self.gamma} must be in [0, 1].")
+        check(0 <= self.lam <= 1, f"lam={self.lam} must be in [0, 1].")
+        check(self.vf_coef >= 0, f"vf_coef={self.vf_coef} must be >= 0.")
+        check(self.temperature > 0, f"temperature={self.temperature} must be > 0 (1.0 samples from the policy as is).")
+        check(self.response_length >= 1, f"response_length={self.response_length} must be >= 1.")
+        check(self.num_ppo_epochs >= 1, f"num_ppo_epochs={self.num_ppo_epochs} must be >= 1.")
+        check(self.num_mini_batches >= 1, f"num_mini_batches={self.num_mini_batches} must be >= 1.")
+        check(self.local_rollout_forward_batch_size >= 1,
+              f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1.")
+        check(self.missing_eos_penalty is None or self.missing_eos_penalty > 0,
+              f"missing_eos_penalty={self.missing_eos_penalty} must be a positive number (it is subtracted from the "
+              "score), or None to disable it.")
+        check(self.total_episodes is None or self.total_episodes >= 1,
+              f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size).")

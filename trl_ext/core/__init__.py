@@ -1,0 +1,35 @@
+"""Pure PPO math for trl_ext: torch only (no trl, transformers or numpy), so it is testable in isolation.
+
+Shapes: B = batch, T = response length, V = vocab. `response_mask` is bool (B, T), True = a real response
+token, left-aligned (real tokens are a prefix of each row).
+"""
+from .advantages import compute_gae, explained_variance
+from .kl import KL_ESTIMATORS, estimate_kl
+from .losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, logprobs_from_logits
+from .masks import (
+    check_response_mask,
+    last_true_index,
+    masked_mean,
+    masked_var,
+    masked_whiten,
+    response_mask_from_stop,
+)
+from .rewards import shape_rewards
+
+__all__ = [
+    "KL_ESTIMATORS",
+    "check_response_mask",
+    "clipped_policy_loss",
+    "clipped_value_loss",
+    "compute_gae",
+    "entropy_from_logits",
+    "estimate_kl",
+    "explained_variance",
+    "last_true_index",
+    "logprobs_from_logits",
+    "masked_mean",
+    "masked_var",
+    "masked_whiten",
+    "response_mask_from_stop",
+    "shape_rewards",
+]

@@ -1,0 +1,84 @@
+"""Tiny random models and a word-level tokenizer, for tests, benchmarks and CPU smoke runs.
+
+There is no model hub here: everything is built from configs. The vocabulary is small words plus special tokens, so a
+"prompt" is a few words and a response is a handful of sampled ids.
+"""
+
+from __future__ import annotations
+
+import torch
+from tokenizers import Tokenizer, models, pre_tokenizers
+from transformers import (
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    LlamaConfig,
+    PreTrainedTokenizerFast,
+)
+
+WORDS = [f"w{i}" for i in range(60)] + ["good", "bad", "yes", "no", "the", "a", "is", "hello", "world", "ok"]
+
+
+def tiny_tokenizer(pad_is_eos: bool = False, padding_side: str = "left") -> PreTrainedTokenizerFast:
+    """A word-level tokenizer: ids 0..2 are special (`<pad>`, `<eos>`, `<unk>`), then the words.
+
+    pad_is_eos: make the pad token the EOS token, as SmolLM2, Llama and Qwen tokenizers do.
+    """
+    specials = ["<pad>", "<eos>", "<unk>"]
+    vocab = {tok: i for i, tok in enumerate(specials + WORDS)}
+    tok = Tokenizer(models.WordLevel(vocab=vocab, unk_token="<unk>"))
+    tok.pre_tokenizer = pre_tokenizers.WhitespaceSplit()
+    tokenizer = PreTrainedTokenizerFast(
+        tokenizer_object=tok,
+        eos_token="<eos>",
+        unk_token="<unk>",
+        pad_token="<eos>" if pad_is_eos else "<pad>",
+        padding_side=padding_side,
+    )
+    return tokenizer
+
+
+def _config(tokenizer, **overrides) -> LlamaConfig:
+    kwargs = dict(
+        vocab_size=len(tokenizer),
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=128,
+        pad_token_id=tokenizer.pad_token_id,
+        eos_token_id=tokenizer.eos_token_id,
+        bos_token_id=None,
+        tie_word_embeddings=False,
+    )
+    kwargs.update(overrides)
+    return LlamaConfig(**kwargs)
+
+
+def tiny_causal_lm(tokenizer, seed: int = 0, **overrides):
+    """A 2-layer random Llama policy (about 20k parameters)."""
+    torch.manual_seed(seed)
+    model = AutoModelForCausalLM.from_config(_config(tokenizer, **overrides))
+    model.generation_config.pad_token_id = tokenizer.pad_token_id
+    model.generation_config.eos_token_id = tokenizer.eos_token_id
+    return model
+
+
+def tiny_scalar_model(tokenizer, seed: int = 1, **overrides):
+    """A 2-layer random Llama with a 1-output `score` head: a reward model or a value model."""
+    torch.manual_seed(seed)
+    return AutoModelForSequenceClassification.from_config(_config(tokenizer, num_labels=1, **overrides))
+
+
+def tiny_prompt_dataset(tokenizer, n: int = 16, seed: int = 0, min_words: int = 2, max_words: int = 5):
+    """A `datasets.Dataset` of tokenized prompts (column `input_ids`), ragged lengths."""
+    from datasets import Dataset
+
+    g = torch.Generator().manual_seed(seed)
+    texts = []
+    for _ in range(n):
+        k = int(torch.randint(min_words, max_words + 1, (1,), generator=g))
+        idx = torch.randint(0, 60, (k,), generator=g).tolist()
+        texts.append(" ".join(f"w{i}" for i in idx))
+    ds = Dataset.from_dict({"prompt": texts})
+    return ds.map(lambda row: {"input_ids": tokenizer(row["prompt"])["input_ids"]}, remove_columns=["prompt"])

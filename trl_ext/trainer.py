@@ -1,0 +1,523 @@
+"""`trl_ext.PPOTrainer`: TRL 1.12's PPOTrainer with a correct, decomposed training step.
+
+One PPO iteration (`train()`), in TRL's numbered steps, each a call into `trl_ext.core`:
+
+    rollout = self.rollout(queries, query_mask)   # 1-7: generate, mask, log-probs, values, scores, rewards, GAE
+    stats = self.ppo_update(rollout)              # 8: PPO epochs over minibatches (clipped losses, grad clipping)
+    self.log(self.metrics(rollout, stats))        # 9: log over real tokens only
+
+Where is the reward placed? `trl_ext.core.shape_rewards` (called in `rollout`, step 6): on the last real response
+token, found positionally from `response_mask`.
+
+Shapes: B = rollouts, Q = query length (left-padded), T = response length.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from collections import defaultdict
+from contextlib import contextmanager, nullcontext
+
+import torch
+from accelerate import Accelerator
+from torch.utils.data import DataLoader
+from transformers import DataCollatorWithPadding, Trainer, TrainerControl
+from transformers.integrations import get_reporting_integration_callbacks
+from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
+from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
+from transformers.trainer_utils import set_seed
+from transformers.utils import is_peft_available
+from trl.models.utils import unwrap_model_for_generation
+from trl.trainer.utils import disable_dropout_in_model
+
+from ._trl import OnlineTrainerState, TRLPPOTrainer, create_reference_model
+from .config import PPOConfig
+from .core import (
+    clipped_policy_loss,
+    clipped_value_loss,
+    compute_gae,
+    entropy_from_logits,
+    logprobs_from_logits,
+    masked_mean,
+    masked_whiten,
+    response_mask_from_stop,
+    shape_rewards,
+)
+from .models import (
+    PolicyAndValueWrapper,
+    generate_responses,
+    response_logits,
+    sampling_config,
+    sequence_inputs,
+)
+from .rewards import is_reward_function, score_responses
+from .rollout import Rollout
+
+if is_peft_available():
+    from peft import PeftConfig, PeftModel, get_peft_model
+
+
+def _exact_div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; choose sizes so that it is.")
+    return a // b
+
+
+def check_left_padded(query_mask: torch.Tensor) -> None:
+    """Prompts must be left-padded: in each row, once a real token appears, every later one is real."""
+    if (query_mask[:, 1:].long() < query_mask[:, :-1].long()).any():
+        raise ValueError(
+            "The prompts are right-padded (a padding position follows a real token). PPO generates after the last "
+            "prompt position, so prompts must be left-padded: set `tokenizer.padding_side = 'left'` (or make your "
+            "data_collator pad on the left)."
+        )
+
+
+class PPOTrainer(TRLPPOTrainer):
+    """Drop-in replacement for `trl.experimental.ppo.PPOTrainer` (same arguments), with its reported defects fixed.
+
+    `reward_model` may also be a plain function `(prompts: list[str], completions: list[str]) -> list[float]`.
+    """
+
+    _tag_names = ["trl", "ppo", "trl_ext"]
+
+    def __init__(
+        self,
+        args: PPOConfig,
+        processing_class,
+        model,
+        ref_model,
+        reward_model,
+        train_dataset,
+        value_model,
+        data_collator=None,
+        eval_dataset=None,
+        optimizers=(None, None),
+        callbacks=None,
+        peft_config: "PeftConfig | None" = None,
+    ) -> None:
+        if not isinstance(args, PPOConfig):
+            raise TypeError(f"`args` must be a trl_ext.PPOConfig, got {type(args).__name__}: import PPOConfig from "
+                            "trl_ext alongside PPOTrainer.")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required.")
+        if ref_model is model:
+            raise ValueError("`model` and `ref_model` cannot be the same object: pass a copy, or `None` (a frozen "
+                             "copy is made, or with peft the adapter is disabled).")
+        if reward_model is None or not (callable(reward_model)):
+            raise ValueError("`reward_model` must be a sequence-classification model or a function "
+                             "(prompts: list[str], completions: list[str]) -> list[float].")
+        tokenizer = processing_class
+        if tokenizer.pad_token_id is None:
+            raise ValueError("The tokenizer has no pad token: set `tokenizer.pad_token` (e.g. to its EOS token).")
+        if data_collator is None and getattr(tokenizer, "padding_side", "left") != "left":
+            raise ValueError(f"tokenizer.padding_side={tokenizer.padding_side!r}: PPO needs left-padded prompts. "
+                             "Set `tokenizer.padding_side = 'left'`.")
+
+        self.args = args
+        self.processing_class = tokenizer
+        self.policy_model = model
+        set_seed(args.seed)  # python, numpy and torch: two runs with the same seed give the same weights
+
+        # Stop token: by default generation stops at EOS, and the stop token is a real response token.
+        if args.stop_token_id is not None:
+            self.stop_token_id = args.stop_token_id
+        elif args.stop_token == "none":
+            self.stop_token_id = None
+        else:
+            self.stop_token_id = tokenizer.eos_token_id
+        if args.missing_eos_penalty is not None and self.stop_token_id is None:
+            raise ValueError("missing_eos_penalty is set but there is no stop token (stop_token='none'): set a stop "
+                             "token or drop the penalty.")
+
+        if data_collator is None:
+            data_collator = DataCollatorWithPadding(tokenizer)
+
+        # PEFT
+        if peft_config is not None:
+            if not is_peft_available():
+                raise ImportError("You passed `peft_config` but `peft` is not installed: `pip install peft`.")
+            if isinstance(self.policy_model, PeftModel):
+                raise ValueError("You passed a PeftModel together with a `peft_config`: merge and unload the existing "
+                                 "adapter first, or pass the PeftModel without `peft_config`.")
+            self.policy_model = get_peft_model(self.policy_model, peft_config)
+        self.is_peft_model = is_peft_available() and isinstance(self.policy_model, PeftModel)
+        self.model_adapter_name = args.model_adapter_name
+        self.ref_adapter_name = args.ref_adapter_name
+
+        if ref_model is not None:
+            self.ref_model = ref_model
+        elif self.is_peft_model:
+            self.ref_model = None  # the policy with its adapter disabled
+        else:
+            self.ref_model = create_reference_model(self.policy_model)
+
+        self.reward_model = reward_model
+        self.train_dataset = train_dataset
+        self.train_dataset_len = len(train_dataset)
+        self.value_model = value_model
+        self.data_collator = data_collator
+        self.eval_dataset = eval_dataset
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = None
+
+        # Batch sizes (TRL's definitions)
+        if args.total_episodes is None:
+            args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
+        mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        self.accelerator = accelerator = Accelerator(
+            gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=mixed_precision,
+            cpu=args.use_cpu,
+        )
+        args.world_size = accelerator.num_processes
+        args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        args.micro_batch_size = args.per_device_train_batch_size * args.world_size
+        args.batch_size = args.local_batch_size * args.world_size
+        args.mini_batch_size = _exact_div(args.batch_size, args.num_mini_batches,
+                                          "batch_size (per_device_train_batch_size x gradient_accumulation_steps x "
+                                          "processes) must split into num_mini_batches")
+        args.local_mini_batch_size = _exact_div(args.local_batch_size, args.num_mini_batches,
+                                                "per-process batch must split into num_mini_batches")
+        _exact_div(args.local_mini_batch_size, args.per_device_train_batch_size,
+                   "per-process minibatch must split into per_device_train_batch_size micro-batches")
+        if self.train_dataset_len < args.local_batch_size:
+            raise ValueError(f"train_dataset has {self.train_dataset_len} prompts, fewer than one per-process batch "
+                             f"({args.local_batch_size} = per_device_train_batch_size x gradient_accumulation_steps);"
+                             " lower the batch size or add prompts.")
+        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+        self.local_seed = args.seed + accelerator.process_index * 100003
+        if args.num_sample_generations > 0:
+            self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
+        self.local_dataloader_batch_size = args.local_batch_size
+
+        # Models: dropout off, gradient checkpointing as configured, policy+value as one trained module
+        for module in [self.policy_model, self.ref_model, self.value_model, self.reward_model]:
+            if isinstance(module, torch.nn.Module):
+                disable_dropout_in_model(module)
+        if args.gradient_checkpointing:
+            gc_kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
+            for module in (self.policy_model, self.value_model):
+                if getattr(module, "supports_gradient_checkpointing", False):
+                    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+            if self.is_peft_model:
+                self.policy_model.enable_input_require_grads()
+        self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
+        self.model.config = self.policy_model.config
+        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
+
+        # Trainer plumbing (callbacks, state), as TRL's
+        default_callbacks = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to)
+        self.callbacks = default_callbacks if callbacks is None else default_callbacks + callbacks
+        self.callback_handler = CallbackHandler(self.callbacks, self.model, tokenizer, self.optimizer,
+                                                self.lr_scheduler)
+        self.add_callback(PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
+        self.control = TrainerControl()
+        self.state = OnlineTrainerState(
+            is_local_process_zero=self.is_local_process_zero(),
+            is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
+                                if isinstance(cb, ExportableState)],
+        )
+        self.current_flos = 0
+        self.hp_search_backend = None
+        self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
+        self.is_fsdp_enabled = getattr(accelerator.state, "fsdp_plugin", None) is not None
+        self.hub_model_id = None
+        if args.push_to_hub:
+            self.init_hf_repo()
+        if args.should_save:
+            os.makedirs(args.output_dir, exist_ok=True)
+
+        # Data: every process shuffles with the same seed, then each samples with its own
+        self.dataloader = DataLoader(train_dataset, batch_size=args.local_batch_size, shuffle=True,
+                                     collate_fn=data_collator, drop_last=True)
+        torch.manual_seed(args.seed)
+        self.model, self.optimizer, self.dataloader = accelerator.prepare(self.model, self.optimizer, self.dataloader)
+        torch.manual_seed(self.local_seed)
+        self.eval_dataloader = None
+        if eval_dataset is not None:
+            self.eval_dataloader = accelerator.prepare(
+                DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=data_collator,
+                           drop_last=True))
+
+        if self.is_deepspeed_enabled:
+            from trl.models.utils import prepare_deepspeed
+
+            if isinstance(self.reward_model, torch.nn.Module):
+                self.reward_model = prepare_deepspeed(self.reward_model, accelerator)
+            if self.ref_model is not None:
+                self.ref_model = prepare_deepspeed(self.ref_model, accelerator)
+        else:
+            if self.ref_model is not None:
+                self.ref_model = self.ref_model.to(accelerator.device)
+            if isinstance(self.reward_model, torch.nn.Module):
+                self.reward_model = self.reward_model.to(accelerator.device)
+
+        self.generation_config = sampling_config(args.response_length, args.temperature, self.stop_token_id,
+                                                 tokenizer.pad_token_id)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @property
+    def unwrapped(self) -> PolicyAndValueWrapper:
+        """The policy+value wrapper without its DDP/DeepSpeed shell."""
+        return self.accelerator.unwrap_model(self.model)
+
+    @contextmanager
+    def null_ref_context(self):
+        """The policy acts as the reference: its adapter disabled (peft), or the reference adapter selected."""
+        policy = self.unwrapped.policy
+        if self.ref_adapter_name:
+            policy.set_adapter(self.ref_adapter_name)
+            try:
+                yield
+            finally:
+                policy.set_adapter(self.model_adapter_name or "default")
+        else:
+            with policy.disable_adapter() if self.is_peft_model else nullcontext():
+                yield
+
+    def _chunks(self, n: int):
+        step = self.args.local_rollout_forward_batch_size
+        return [slice(i, i + step) for i in range(0, n, step)]
+
+    # ------------------------------------------------------------------------------------------------ rollout
+    @torch.no_grad()
+    def rollout(self, queries: torch.Tensor, query_mask: torch.Tensor) -> Rollout:
+        """Steps 1-7 of a PPO iteration on a batch of left-padded prompts: (B, Q) ids and (B, Q) bool mask."""
+        args, accelerator, tok = self.args, self.accelerator, self.processing_class
+        query_mask = query_mask.bool()
+        check_left_padded(query_mask)
+        Q = queries.shape[1]
+
+        # 1. generate: sample from softmax(logits / temperature), nothing else
+        with unwrap_model_for_generation(self.model, accelerator,
+                                         gather_deepspeed3_params=args.ds3_gather_for_generation) as unwrapped:
+            responses = generate_responses(unwrapped.policy, queries, query_mask, self.generation_config,
+                                           tok.pad_token_id, args.local_rollout_forward_batch_size)
+
+        # 2. response mask from the stop position (the stop token is real; nothing after it is)
+        response_mask = response_mask_from_stop(responses, self.stop_token_id)
+        responses = responses.masked_fill(~response_mask, tok.pad_token_id)
+
+        logprobs, ref_logprobs, values, scores = [], [], [], []
+        for s in self._chunks(queries.shape[0]):
+            inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
+            # 3. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses
+            logits, value = self.model(**inputs)
+            logprobs.append(logprobs_from_logits(logits[:, Q - 1 : -1].float() / args.temperature, responses[s]))
+            values.append(value[:, Q - 1 : -1].float())
+            del logits
+            # 4. reference log-probs
+            with accelerator.autocast():
+                if self.ref_model is None:
+                    with self.null_ref_context():
+                        ref_logits = response_logits(self.unwrapped.policy, inputs, Q, args.temperature)
+                else:
+                    ref_logits = response_logits(self.ref_model, inputs, Q, args.temperature)
+                ref_logprobs.append(logprobs_from_logits(ref_logits.float(), responses[s]))
+                del ref_logits
+                # 5. scores of the response cut after its stop token
+                scores.append(score_responses(self.reward_model, tok, queries[s], query_mask[s], responses[s],
+                                              response_mask[s]))
+        logprobs, ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
+        values = torch.cat(values) * response_mask
+        scores = torch.cat(scores).to(logprobs.device)
+        if args.missing_eos_penalty is not None:
+            stopped = ((responses == self.stop_token_id) & response_mask).any(dim=1)
+            scores = scores - args.missing_eos_penalty * (~stopped).float()
+
+        # 6. rewards: −β·KL on every real token, the score on the last real token (see core.shape_rewards)
+        rewards, kl = shape_rewards(scores, logprobs, ref_logprobs, response_mask, args.kl_coef, args.kl_estimator)
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, response_mask, shift_mean=False) * response_mask
+
+        # 7. advantages and returns (GAE), advantages whitened over real tokens
+        advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
+        advantages = masked_whiten(advantages, response_mask) * response_mask
+        return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
+                       logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
+                       rewards=rewards, advantages=advantages, returns=returns)
+
+    # ------------------------------------------------------------------------------------------------ update
+    def _grad_norm(self, params) -> float:
+        norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
+        return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+
+    def ppo_update(self, rollout: Rollout) -> dict[str, list[float]]:
+        """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches (gradient accumulation over
+        micro-batches), clipped policy and value losses, gradients clipped to `max_grad_norm`."""
+        args, accelerator = self.args, self.accelerator
+        stats = defaultdict(list)
+        Q = rollout.queries.shape[1]
+        wrapper = self.unwrapped
+        for _epoch in range(args.num_ppo_epochs):
+            order = torch.randperm(args.local_batch_size, device=rollout.queries.device)
+            for mb_start in range(0, args.local_batch_size, args.local_mini_batch_size):
+                minibatch = order[mb_start : mb_start + args.local_mini_batch_size]
+                for mc_start in range(0, args.local_mini_batch_size, args.per_device_train_batch_size):
+                    mb = rollout[minibatch[mc_start : mc_start + args.per_device_train_batch_size]]
+                    with accelerator.accumulate(self.model):
+                        inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
+                        logits, values = self.model(**inputs)
+                        logits = logits[:, Q - 1 : -1].float() / args.temperature  # (b, T, V)
+                        new_logprobs = logprobs_from_logits(logits, mb.responses)
+                        vpred = values[:, Q - 1 : -1].float()
+                        pg_loss, pg_stats = clipped_policy_loss(new_logprobs, mb.logprobs, mb.advantages,
+                                                                mb.response_mask, args.cliprange)
+                        vf_loss, vf_stats = clipped_value_loss(vpred, mb.values, mb.returns, mb.response_mask,
+                                                               args.cliprange_value)
+                        loss = pg_loss + args.vf_coef * vf_loss
+                        accelerator.backward(loss)
+                        if accelerator.sync_gradients:
+                            # pre-clip norms, then clip (TRL 1.12 ignored max_grad_norm)
+                            stats["policy/grad_norm"].append(self._grad_norm(wrapper.policy.parameters()))
+                            stats["val/grad_norm"].append(self._grad_norm(wrapper.value_model.parameters()))
+                            if args.max_grad_norm is not None and args.max_grad_norm > 0:
+                                accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                        self.optimizer.step()
+                        self.optimizer.zero_grad()
+                    with torch.no_grad():
+                        entropy = masked_mean(entropy_from_logits(logits), mb.response_mask)
+                    stats["policy/approxkl_avg"].append(pg_stats["approxkl"].item())
+                    stats["policy/clipfrac_avg"].append(pg_stats["clipfrac"].item())
+                    stats["loss/policy_avg"].append(pg_loss.item())
+                    stats["loss/value_avg"].append(vf_loss.item())
+                    stats["val/clipfrac_avg"].append(vf_stats["clipfrac"].item())
+                    stats["policy/entropy_avg"].append(entropy.item())
+                    stats["val/ratio"].append(pg_stats["ratio_mean"].item())
+        return stats
+
+    # ------------------------------------------------------------------------------------------------ logging
+    def _mean(self, x: torch.Tensor | float) -> float:
+        """Mean over processes of a per-process scalar."""
+        x = torch.as_tensor(x, dtype=torch.float32, device=self.accelerator.device).reshape(1)
+        return self.accelerator.gather_for_metrics(x).mean().item()
+
+    def metrics(self, rollout: Rollout, stats: dict[str, list[float]], start_time: float) -> dict[str, float]:
+        """Step 9: TRL's metric keys, every token average over real response tokens only."""
+        args = self.args
+        mask = rollout.response_mask
+        kl_seq = rollout.kl.sum(1)  # (B,) per-sequence KL; kl is 0 outside the mask
+        non_score = (-args.kl_coef * rollout.kl).sum(1)
+        m = {
+            "eps": int(self.state.episode / max(time.time() - start_time, 1e-9)),
+            "objective/kl": self._mean(kl_seq.mean()),
+            "objective/entropy": self._mean((-rollout.logprobs * mask).sum(1).mean()),
+            "objective/non_score_reward": self._mean(non_score.mean()),
+            "objective/rlhf_reward": self._mean(non_score.mean() + rollout.scores.mean()),
+            "objective/scores": self._mean(rollout.scores.mean()),
+            "objective/kl_coef": float(args.kl_coef),
+        }
+        for key, values in stats.items():
+            m[key] = self._mean(sum(values) / len(values))
+        ratios = torch.tensor(stats["val/ratio"])
+        # variance of the per-micro-batch mean ratios; 0 with a single micro-batch (TRL: NaN)
+        m["val/ratio_var"] = self._mean(ratios.var().item() if len(ratios) > 1 else 0.0)
+        m["val/num_eos_tokens"] = self._mean(((rollout.responses == self.stop_token_id) & mask).sum().float()) \
+            if self.stop_token_id is not None else 0.0
+        m["lr"] = self.lr_scheduler.get_last_lr()[0]
+        m["episode"] = self.state.episode
+        return m
+
+    # ------------------------------------------------------------------------------------------------ train
+    def _init_state(self):
+        args = self.args
+        self.state.global_step = 0
+        self.state.episode = 0
+        self.state.max_steps = args.num_total_batches
+        self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(args, name)
+            if value is not None:
+                setattr(self.state, name, math.ceil(self.state.max_steps * value) if value < 1 else value)
+
+    def train(self):
+        args, accelerator = self.args, self.accelerator
+        device = accelerator.device
+
+        def batches():
+            while True:
+                yield from self.dataloader
+
+        batch_iter = iter(batches())
+        self.model.train()
+        self._init_state()
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if self.is_deepspeed_enabled:
+            self.deepspeed = self.model
+            self.model_wrapped = self.model
+        start_time = time.time()
+
+        for update in range(1, args.num_total_batches + 1):
+            self.state.episode += args.batch_size
+            batch = next(batch_iter)
+            if "attention_mask" not in batch:
+                raise ValueError("The data collator must return `attention_mask` with `input_ids` (PPO needs the "
+                                 "real prompt mask; pad ids are not used to guess it).")
+            rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            stats = self.ppo_update(rollout)
+            metrics = self.metrics(rollout, stats, start_time)
+            self.state.epoch = self.state.episode / self.train_dataset_len
+            self.state.global_step += 1
+            self.log(metrics)
+
+            self.lr_scheduler.step()
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if self.control.should_save:
+                self._save_checkpoint(self.model, trial=None)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
+            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                self.generate_completions(sampling=True)
+
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(args, self.state, self.control)
+
+    # ------------------------------------------------------------------------------------------------ saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the policy (its adapter, with peft) for inference; works under DDP (TRL 1.12 crashed there)."""
+        backup = self.model
+        self.model = self.unwrapped.policy
+        if self.is_deepspeed_enabled:
+            backup_deepspeed, self.deepspeed = self.deepspeed, self.model
+        try:
+            Trainer.save_model(self, output_dir, _internal_call)
+        finally:
+            self.model = backup
+            if self.is_deepspeed_enabled:
+                self.deepspeed = backup_deepspeed
+
+    def _save_checkpoint(self, model, trial):
+        if self.is_world_process_zero():
+            backup, self.model = self.model, self.unwrapped
+            try:
+                self.create_model_card(model_name=os.path.basename(os.path.normpath(self.args.output_dir)))
+            finally:
+                self.model = backup
+        Trainer._save_checkpoint(self, model, trial)
+
+    # ------------------------------------------------------------------------------------------------ samples
+    @torch.no_grad()
+    def generate_completions(self, sampling: bool = False):
+        """Print (and report) a few completions of `eval_dataset` prompts with their scores."""
+        if self.eval_dataloader is None:
+            return
+        tok, rows = self.processing_class, []
+        for batch in self.eval_dataloader:
+            queries, query_mask = batch["input_ids"], batch["attention_mask"].bool()
+            with unwrap_model_for_generation(self.model, self.accelerator,
+                                             gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped:
+                responses = generate_responses(unwrapped.policy, queries, query_mask, self.generation_config,
+                                               tok.pad_token_id, queries.shape[0])
+            response_mask = response_mask_from_stop(responses, self.stop_token_id)
+            scores = score_responses(self.reward_model, tok, queries, query_mask, responses, response_mask)
+            for q, qm, r, rm, s in zip(queries, query_mask, responses, response_mask, scores):
+                rows.append((tok.decode(q[qm], skip_special_tokens=True), tok.decode(r[rm]), float(s)))
+            if sampling:
+                break
+        if self.accelerator.is_main_process:
+            for query, response, score in rows[:5]:
+                print(f"[sample] score={score:+.3f} | {query!r} -> {response!r}")
