@@ -55,10 +55,21 @@ def _config(tokenizer, **overrides) -> LlamaConfig:
     return LlamaConfig(**kwargs)
 
 
-def tiny_causal_lm(tokenizer, seed: int = 0, **overrides):
-    """A 2-layer random Llama policy (about 20k parameters)."""
+def tiny_causal_lm(tokenizer, seed: int = 0, token_bias: dict[int, float] | None = None, **overrides):
+    """A 2-layer random Llama policy (about 20k parameters).
+
+    token_bias: {token_id: logit bias} added by the output layer, to make a token (EOS, pad, a stop word) likely.
+    """
     torch.manual_seed(seed)
     model = AutoModelForCausalLM.from_config(_config(tokenizer, **overrides))
+    if token_bias:
+        head = torch.nn.Linear(model.lm_head.in_features, model.lm_head.out_features, bias=True)
+        with torch.no_grad():
+            head.weight.copy_(model.lm_head.weight)
+            head.bias.zero_()
+            for token_id, bias in token_bias.items():
+                head.bias[token_id] = bias
+        model.lm_head = head
     model.generation_config.pad_token_id = tokenizer.pad_token_id
     model.generation_config.eos_token_id = tokenizer.eos_token_id
     return model

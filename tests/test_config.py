@@ -1,0 +1,68 @@
+"""trl_ext.PPOConfig: TRL's fields keep their meaning; bad values are clear errors; bf16 default works on CPU."""
+
+import dataclasses
+
+import pytest
+import torch
+
+from trl_ext import PPOConfig
+from trl_ext._trl import TRLPPOConfig
+
+
+def test_is_trl_config_with_every_trl_field():
+    assert issubclass(PPOConfig, TRLPPOConfig)
+    ours = {f.name for f in dataclasses.fields(PPOConfig)}
+    assert {f.name for f in dataclasses.fields(TRLPPOConfig)} <= ours
+
+
+def test_default_bf16_does_not_fail_without_a_gpu(tmp_path):
+    args = PPOConfig(output_dir=str(tmp_path))
+    assert args.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    assert args.stop_token is None and args.kl_estimator == "k1"
+
+
+def test_explicit_bf16_is_kept(tmp_path):
+    assert PPOConfig(output_dir=str(tmp_path), bf16=True, use_cpu=True).bf16 is True
+    assert PPOConfig(output_dir=str(tmp_path), bf16=False).bf16 is False
+
+
+def test_trl_fields_keep_their_values(tmp_path):
+    args = PPOConfig(output_dir=str(tmp_path), kl_coef=0.2, cliprange=0.1, vf_coef=0.5, gamma=0.99, lam=0.9,
+                     response_length=17, num_ppo_epochs=2, temperature=0.9, stop_token_id=5, bf16=False)
+    assert (args.kl_coef, args.cliprange, args.vf_coef, args.gamma, args.lam) == (0.2, 0.1, 0.5, 0.99, 0.9)
+    assert (args.response_length, args.num_ppo_epochs, args.temperature, args.stop_token_id) == (17, 2, 0.9, 5)
+
+
+@pytest.mark.parametrize("estimator", ["k1", "k2", "k3"])
+def test_kl_estimators_accepted(tmp_path, estimator):
+    assert PPOConfig(output_dir=str(tmp_path), kl_estimator=estimator, bf16=False).kl_estimator == estimator
+
+
+@pytest.mark.parametrize(
+    "field, value, message",
+    [
+        ("kl_estimator", "k4", r"kl_estimator='k4'.*\('k1', 'k2', 'k3'\)"),
+        ("stop_token", "eot", r"stop_token='eot'.*stop_token_id"),
+        ("kl_coef", -0.1, r"kl_coef=-0.1 must be >= 0"),
+        ("cliprange", 0.0, r"cliprange=0.0 must be > 0"),
+        ("cliprange_value", -1.0, r"cliprange_value=-1.0 must be > 0"),
+        ("gamma", 1.5, r"gamma=1.5 must be in \[0, 1\]"),
+        ("lam", -0.1, r"lam=-0.1 must be in \[0, 1\]"),
+        ("vf_coef", -1.0, r"vf_coef=-1.0 must be >= 0"),
+        ("temperature", 0.0, r"temperature=0.0 must be > 0"),
+        ("response_length", 0, r"response_length=0 must be >= 1"),
+        ("num_ppo_epochs", 0, r"num_ppo_epochs=0 must be >= 1"),
+        ("num_mini_batches", 0, r"num_mini_batches=0 must be >= 1"),
+        ("local_rollout_forward_batch_size", 0, r"local_rollout_forward_batch_size=0 must be >= 1"),
+        ("missing_eos_penalty", -1.0, r"missing_eos_penalty=-1.0 must be a positive number"),
+        ("total_episodes", 0, r"total_episodes=0 must be >= 1"),
+    ],
+)
+def test_bad_values_are_clear_errors(tmp_path, field, value, message):
+    with pytest.raises(ValueError, match=message):
+        PPOConfig(output_dir=str(tmp_path), bf16=False, **{field: value})
+
+
+def test_stop_token_and_stop_token_id_are_exclusive(tmp_path):
+    with pytest.raises(ValueError, match="set only one"):
+        PPOConfig(output_dir=str(tmp_path), bf16=False, stop_token="eos", stop_token_id=3)

@@ -1,0 +1,67 @@
+"""Trainer callbacks for trl_ext.
+
+`MetricsFileCallback` writes every logged metrics dict to ``<output_dir>/metrics.jsonl``, one JSON object per line,
+so a run can be plotted or compared later without TensorBoard or W&B::
+
+    trainer = PPOTrainer(..., callbacks=[MetricsFileCallback()])
+
+    import pandas as pd
+    df = pd.read_json("out/metrics.jsonl", lines=True)
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import numbers
+import os
+
+from transformers import TrainerCallback
+
+METRICS_FILE = "metrics.jsonl"
+
+
+def _jsonable(value):
+    """A value `json` can write: Python/NumPy/torch numbers as numbers, non-finite floats as null (JSON has no NaN),
+    anything else as its string."""
+    if isinstance(value, bool) or value is None or isinstance(value, str):
+        return value
+    if hasattr(value, "item") and getattr(value, "ndim", 0) == 0:  # 0-d torch tensor / NumPy scalar
+        value = value.item()
+    if isinstance(value, numbers.Integral):
+        return int(value)
+    if isinstance(value, numbers.Real):
+        value = float(value)
+        return value if math.isfinite(value) else None
+    return str(value)
+
+
+class MetricsFileCallback(TrainerCallback):
+    """Append each `on_log` dict, plus ``"step": state.global_step``, as one JSON line to ``<dir>/metrics.jsonl``.
+
+    Args:
+        output_dir: folder for the file; default: the trainer's ``args.output_dir``. Created if missing.
+        filename: name of the file inside the folder (default ``metrics.jsonl``).
+
+    Only the world process zero writes. The file is appended to (a rerun into the same folder adds lines) and each
+    line is flushed as it is written, so the file can be followed during training. Numbers are written as JSON
+    numbers; NaN/inf become ``null``.
+    """
+
+    def __init__(self, output_dir: str | os.PathLike | None = None, filename: str = METRICS_FILE):
+        self.output_dir = output_dir
+        self.filename = filename
+
+    def path(self, args) -> str:
+        """The file this callback writes for training arguments `args`."""
+        return os.path.join(self.output_dir if self.output_dir is not None else args.output_dir, self.filename)
+
+    def on_log(self, args, state, control, logs=None, **kwargs):
+        if not state.is_world_process_zero or not logs:
+            return
+        path = self.path(args)
+        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
+        record = {key: _jsonable(value) for key, value in logs.items()}
+        record["step"] = state.global_step
+        with open(path, "a", encoding="utf-8") as f:
+            f.write(json.dumps(record) + "\n")
