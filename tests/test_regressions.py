@@ -10,7 +10,7 @@ import torch
 import torch.nn as nn
 from transformers.modeling_outputs import BaseModelOutput
 
-from harness import config, first_index, run, trainer
+from harness import UPSTREAM, config, first_index, run, trainer
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 
@@ -218,6 +218,7 @@ def test_rollout_logprobs_are_the_policy_logprobs(tmp_path):
     m = out["response_mask"]
     assert torch.allclose(out["logprobs"][m], out["ref_logprobs"][m], atol=1e-5)
     assert abs(out["logs"][0]["objective/kl"]) < 1e-4
+    assert out["logs"][0]["val/ratio"] == pytest.approx(1.0, abs=1e-5)  # one minibatch: measured before any step
 
 
 # --- statistics over real tokens ----------------------------------------------------------------------------------
@@ -264,8 +265,8 @@ def test_lora_under_two_processes_trains_and_saves(tmp_path):
     root = Path(__file__).resolve().parents[1]
     source = (root / "tests" / "scripts" / "trl_ppo_script.py").read_text()
     script = tmp_path / "script.py"
-    script.write_text(source.replace("from trl.experimental.ppo import PPOConfig, PPOTrainer",
-                                     "from harness import PPOConfig, PPOTrainer"))
+    trl_import = "from trl.experimental.ppo import PPOConfig, PPOTrainer"
+    script.write_text(source if UPSTREAM else source.replace(trl_import, "from trl_ext import PPOConfig, PPOTrainer"))
     out_dir = tmp_path / "out"
     # `accelerate launch --cpu` starts a single process; multi-process CPU DDP is --multi_gpu with ACCELERATE_USE_CPU
     env = {**os.environ, "ACCELERATE_USE_CPU": "true", "PYTHONPATH": f"{root}:{root / 'tests'}",
