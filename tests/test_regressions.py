@@ -41,6 +41,21 @@ def test_max_grad_norm_clips_the_update(tmp_path):
     assert pre_clip > 1e-3  # the logged norm is the pre-clip one
 
 
+def test_one_optimizer_step_per_minibatch(tmp_path):
+    """PPO takes one optimizer step per minibatch: 2 epochs x 4 minibatches = 8 steps. TRL accumulated gradients
+    over gradient_accumulation_steps micro-batches, so one step straddled several minibatches (2 steps here), except
+    on the dataloader's last batch, where accelerate synced every micro-batch."""
+    tok = tiny_tokenizer()
+    policy, value, reward, ds = build(tok, n=16)  # two batches: the first is not the dataloader's last
+    adam = torch.optim.Adam(list(policy.parameters()) + list(value.parameters()), lr=1e-3)
+    steps = []
+    adam.register_step_post_hook(lambda optimizer, args, kwargs: steps.append(1))
+    args = config(tmp_path, per_device_train_batch_size=2, gradient_accumulation_steps=4, num_mini_batches=4,
+                  num_ppo_epochs=2, total_episodes=8)
+    run(trainer(args, tok, policy, reward, value, train_dataset=ds, optimizers=(adam, None)))
+    assert len(steps) == 8
+
+
 # --- precision, checkpointing, seeds ------------------------------------------------------------------------------
 def test_bf16_runs_the_training_forward_in_bf16(tmp_path):
     tok = tiny_tokenizer()

@@ -22,6 +22,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, Trainer, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
@@ -163,25 +164,29 @@ class PPOTrainer(TRLPPOTrainer):
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = None
 
-        # Batch sizes (TRL's definitions)
         if args.total_episodes is None:
             args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
-        mixed_precision = "bf16" if args.bf16 else "fp16" if args.fp16 else "no"
+        # Batch sizes (TRL's definitions). One rollout batch per process = per_device_train_batch_size x
+        # gradient_accumulation_steps prompts; it splits into num_mini_batches minibatches of micro-batches.
+        args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        args.local_mini_batch_size = _exact_div(args.local_batch_size, args.num_mini_batches,
+                                                "per-process batch (per_device_train_batch_size x "
+                                                "gradient_accumulation_steps) must split into num_mini_batches")
+        micro_batches_per_minibatch = _exact_div(args.local_mini_batch_size, args.per_device_train_batch_size,
+                                                 "per-process minibatch must split into per_device_train_batch_size "
+                                                 "micro-batches")
+        # One optimizer step per minibatch: accumulate over its micro-batches, never sync at the dataloader's end
+        # (TRL accumulated over gradient_accumulation_steps micro-batches, straddling minibatches).
         self.accelerator = accelerator = Accelerator(
-            gradient_accumulation_steps=args.gradient_accumulation_steps, mixed_precision=mixed_precision,
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=micro_batches_per_minibatch,
+                                                                    sync_with_dataloader=False),
+            mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
             cpu=args.use_cpu,
         )
         args.world_size = accelerator.num_processes
-        args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
         args.micro_batch_size = args.per_device_train_batch_size * args.world_size
         args.batch_size = args.local_batch_size * args.world_size
-        args.mini_batch_size = _exact_div(args.batch_size, args.num_mini_batches,
-                                          "batch_size (per_device_train_batch_size x gradient_accumulation_steps x "
-                                          "processes) must split into num_mini_batches")
-        args.local_mini_batch_size = _exact_div(args.local_batch_size, args.num_mini_batches,
-                                                "per-process batch must split into num_mini_batches")
-        _exact_div(args.local_mini_batch_size, args.per_device_train_batch_size,
-                   "per-process minibatch must split into per_device_train_batch_size micro-batches")
+        args.mini_batch_size = args.local_mini_batch_size * args.world_size
         if self.train_dataset_len < args.local_batch_size:
             raise ValueError(f"train_dataset has {self.train_dataset_len} prompts, fewer than one per-process batch "
                              f"({args.local_batch_size} = per_device_train_batch_size x gradient_accumulation_steps);"
