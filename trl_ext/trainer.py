@@ -408,7 +408,7 @@ class PPOTrainer(TRLPPOTrainer):
         kl_seq = rollout.kl.sum(1)  # (B,) per-sequence KL; kl is 0 outside the mask
         non_score = (-args.kl_coef * rollout.kl).sum(1)
         m = {
-            "eps": int(self.state.episode / max(time.time() - start_time, 1e-9)),
+            "eps": self.state.episode / max(time.time() - start_time, 1e-9),  # episodes per second
             "objective/kl": self._mean(kl_seq.mean()),
             "objective/entropy": self._mean((-rollout.logprobs * mask).sum(1).mean()),
             "objective/non_score_reward": self._mean(non_score.mean()),
