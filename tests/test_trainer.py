@@ -131,7 +131,7 @@ def test_errors_for_bad_setups(tmp_path):
     tok = tiny_tokenizer()
     common = dict(processing_class=tok, ref_model=None, reward_model=tiny_scalar_model(tok, seed=2),
                   value_model=tiny_scalar_model(tok))
-    with pytest.raises(ValueError, match="train_dataset has 2 prompts, fewer than one per-process batch"):
+    with pytest.raises(ValueError, match="The dataset has 2 prompts, fewer than one rollout batch"):
         PPOTrainer(args=args(tmp_path), model=tiny_causal_lm(tok), train_dataset=tiny_prompt_dataset(tok, 2),
                    **common)
     with pytest.raises(ValueError, match="not divisible"):

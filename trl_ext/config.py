@@ -9,14 +9,17 @@ Differences from TRL 1.12 (each one a reported defect):
 - Every numeric field is checked in `__post_init__`: a bad value raises a ValueError that names it and the fix.
 """
 
+import math
 from dataclasses import dataclass, field
 
 import torch
 
 from ._trl import TRLPPOConfig
-from .core import KL_ESTIMATORS
+from .core import KL_CONTROLLERS, KL_ESTIMATORS
 
 STOP_TOKENS = ("eos", "none")
+VALUE_MODEL_INITS = ("given", "reward_model", "policy")
+VALUE_HEAD_INITS = ("zero", "keep")
 
 
 def _bf16_available() -> bool:
@@ -37,6 +40,24 @@ class PPOConfig(TRLPPOConfig):
         kl_estimator (`str`, defaults to `"k1"`):
             Estimator of KL(π_θ‖π_ref) used in the per-token reward penalty: `"k1"`, `"k2"` or `"k3"`
             (http://joschu.net/blog/kl-approx.html).
+        kl_controller (`str`, defaults to `"fixed"`):
+            `"fixed"`: β = `kl_coef` throughout. `"adaptive"`: Ziegler et al. (2019) proportional control of β towards
+            `kl_target`, starting from `kl_coef` (see `trl_ext.core.kl_control`).
+        kl_target (`float`, defaults to `6.0`):
+            Target KL for the adaptive controller, in nats **per sequence** (the mean over rollouts of the summed
+            per-token KL, i.e. the logged `objective/kl`).
+        kl_horizon (`int`, defaults to `10000`):
+            Horizon (in rollouts) of the adaptive controller; β moves at most ±20%·n/horizon per batch of n rollouts.
+        critic_warmup_steps (`int`, defaults to `0`):
+            PPO iterations at the start during which only the value model trains; the policy does not move.
+        value_model_init (`str`, defaults to `"given"`):
+            `"given"`: use the `value_model` passed to the trainer. `"reward_model"`: a copy of the reward model
+            (InstructGPT). `"policy"`: the policy's backbone with a new 1-output head.
+        value_head_init (`str`, *optional*):
+            `"zero"`: zero the value head so V ≈ 0 at step 0. `"keep"`: keep it. Unset: `"zero"` when trl_ext builds
+            the value model (`value_model_init` = `"reward_model"` or `"policy"`), `"keep"` for a given one.
+        critic_learning_rate (`float`, *optional*):
+            Learning rate of the value model. Unset: `learning_rate`.
     """
 
     bf16: bool | None = field(
@@ -56,6 +77,37 @@ class PPOConfig(TRLPPOConfig):
     kl_estimator: str = field(
         default="k1",
         metadata={"help": "KL estimator for the reward penalty: 'k1', 'k2' or 'k3' (http://joschu.net/blog/kl-approx.html)."},
+    )
+
+    kl_controller: str = field(
+        default="fixed",
+        metadata={"help": "'fixed' (beta = kl_coef) or 'adaptive' (Ziegler et al. 2019, towards kl_target)."},
+    )
+    kl_target: float = field(
+        default=6.0,
+        metadata={"help": "Adaptive controller's target KL, nats per sequence (the logged objective/kl)."},
+    )
+    kl_horizon: int = field(
+        default=10000,
+        metadata={"help": "Adaptive controller's horizon in rollouts: beta moves at most 20% x n/horizon per batch."},
+    )
+    critic_warmup_steps: int = field(
+        default=0,
+        metadata={"help": "PPO iterations at the start that train only the value model (the policy does not move)."},
+    )
+    value_model_init: str = field(
+        default="given",
+        metadata={"help": "'given' (the value_model argument), 'reward_model' (a copy of it) or 'policy' (the "
+                  "policy backbone with a new 1-output head)."},
+    )
+    value_head_init: str | None = field(
+        default=None,
+        metadata={"help": "'zero' (V = 0 at step 0) or 'keep'. Unset: 'zero' for a value model trl_ext builds, "
+                  "'keep' for a given one."},
+    )
+    critic_learning_rate: float | None = field(
+        default=None,
+        metadata={"help": "Learning rate of the value model. Unset: learning_rate."},
     )
 
     def __post_init__(self):
@@ -91,5 +143,20 @@ class PPOConfig(TRLPPOConfig):
         check(self.missing_eos_penalty is None or self.missing_eos_penalty > 0,
               f"missing_eos_penalty={self.missing_eos_penalty} must be a positive number (it is subtracted from the "
               "score), or None to disable it.")
+        check(self.kl_controller in KL_CONTROLLERS,
+              f"kl_controller={self.kl_controller!r} is not one of {KL_CONTROLLERS}.")
+        check(self.kl_controller != "adaptive" or self.kl_coef > 0,
+              f"kl_coef={self.kl_coef} with kl_controller='adaptive': the controller multiplies β, so it would stay "
+              "0 forever; start from kl_coef > 0 (e.g. 0.05).")
+        check(math.isfinite(self.kl_target) and self.kl_target > 0,
+              f"kl_target={self.kl_target} must be a positive number of nats per sequence (typical: 6.0).")
+        check(self.kl_horizon > 0, f"kl_horizon={self.kl_horizon} must be > 0 rollouts (typical: 10000).")
+        check(self.critic_warmup_steps >= 0, f"critic_warmup_steps={self.critic_warmup_steps} must be >= 0.")
+        check(self.value_model_init in VALUE_MODEL_INITS,
+              f"value_model_init={self.value_model_init!r} is not one of {VALUE_MODEL_INITS}.")
+        check(self.value_head_init is None or self.value_head_init in VALUE_HEAD_INITS,
+              f"value_head_init={self.value_head_init!r} is not one of {VALUE_HEAD_INITS} (or None).")
+        check(self.critic_learning_rate is None or self.critic_learning_rate > 0,
+              f"critic_learning_rate={self.critic_learning_rate} must be > 0, or None to use learning_rate.")
         check(self.total_episodes is None or self.total_episodes >= 1,
               f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size).")

@@ -114,3 +114,51 @@ class PolicyAndValueWrapper(nn.Module):
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         logits = self.policy(**inputs, use_cache=False).logits
         return logits, scalar_head_outputs(self.value_model, inputs)
+
+
+def build_value_model(init: str, head_init: str | None, value_model, policy, reward_model):
+    """The critic a run trains, chosen by `PPOConfig.value_model_init`:
+
+    - "given": `value_model` as passed (TRL's behaviour);
+    - "reward_model": a copy of the reward model, head included (InstructGPT: the critic starts from the RM);
+    - "policy": a sequence-classification model of the policy's architecture, its backbone copied from the policy,
+      with a fresh 1-output `score` head.
+
+    `head_init` "zero" zeroes the `score` head so V ≈ 0 at step 0 (None: "zero" for a built model, "keep" for a
+    given one).
+    """
+    import copy
+
+    from transformers import AutoModelForSequenceClassification
+
+    if init == "given":
+        if value_model is None:
+            raise ValueError("No value model: pass `value_model=...`, or set value_model_init='policy' or "
+                             "'reward_model' to build one.")
+        critic = value_model
+    else:
+        if value_model is not None:
+            raise ValueError(f"value_model_init={init!r} builds the value model, but a `value_model` was passed too: "
+                             "pass value_model=None, or set value_model_init='given'.")
+        if init == "reward_model":
+            if not isinstance(reward_model, nn.Module):
+                raise ValueError("value_model_init='reward_model' needs a reward *model*; the reward is a function. "
+                                 "Use value_model_init='policy' or pass a value_model.")
+            critic = copy.deepcopy(reward_model)
+        else:  # "policy"
+            base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
+            if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
+                raise ValueError("value_model_init='policy' cannot copy a quantized policy's backbone; pass a "
+                                 "value_model.")
+            config = copy.deepcopy(base.config)
+            config.num_labels = 1
+            critic = AutoModelForSequenceClassification.from_config(config)
+            backbone = getattr(base, base.base_model_prefix)
+            getattr(critic, critic.base_model_prefix).load_state_dict(backbone.state_dict())
+            critic.to(dtype=next(base.parameters()).dtype, device=next(base.parameters()).device)
+        critic.config.pad_token_id = getattr(critic.config, "pad_token_id", None) or policy.config.pad_token_id
+    if (head_init or ("keep" if init == "given" else "zero")) == "zero":
+        with torch.no_grad():
+            for p in critic.score.parameters():
+                p.zero_()
+    return critic

@@ -14,8 +14,10 @@ Shapes: B = rollouts, Q = query length (left-padded), T = response length.
 
 from __future__ import annotations
 
+import json
 import math
 import os
+import shutil
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
@@ -28,26 +30,31 @@ from transformers import DataCollatorWithPadding, Trainer, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
-from transformers.trainer_utils import set_seed
+from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints, set_seed
 from transformers.utils import is_peft_available
 from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import disable_dropout_in_model
 
 from ._trl import OnlineTrainerState, TRLPPOTrainer, create_reference_model
+from .checkpoint import TRL_EXT_STATE, VALUE_MODEL_DIR, check_compatible, load_adapter, load_weights
 from .config import PPOConfig
 from .core import (
     clipped_policy_loss,
     clipped_value_loss,
     compute_gae,
     entropy_from_logits,
+    estimate_kl,
     logprobs_from_logits,
+    make_kl_controller,
     masked_mean,
     masked_whiten,
     response_mask_from_stop,
     shape_rewards,
 )
+from .data import RolloutBatchSampler
 from .models import (
     PolicyAndValueWrapper,
+    build_value_model,
     generate_responses,
     response_logits,
     sampling_config,
@@ -158,11 +165,15 @@ class PPOTrainer(TRLPPOTrainer):
         self.reward_model = reward_model
         self.train_dataset = train_dataset
         self.train_dataset_len = len(train_dataset)
-        self.value_model = value_model
+        self.value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, model,
+                                             reward_model)
         self.data_collator = data_collator
         self.eval_dataset = eval_dataset
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = None
+        if self.optimizer is not None and args.critic_learning_rate is not None:
+            raise ValueError("critic_learning_rate is set but you passed your own optimizer: give the value model's "
+                             "parameters their learning rate in your optimizer's param groups, or drop the setting.")
 
         if args.total_episodes is None:
             args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
@@ -187,11 +198,13 @@ class PPOTrainer(TRLPPOTrainer):
         args.micro_batch_size = args.per_device_train_batch_size * args.world_size
         args.batch_size = args.local_batch_size * args.world_size
         args.mini_batch_size = args.local_mini_batch_size * args.world_size
-        if self.train_dataset_len < args.local_batch_size:
-            raise ValueError(f"train_dataset has {self.train_dataset_len} prompts, fewer than one per-process batch "
-                             f"({args.local_batch_size} = per_device_train_batch_size x gradient_accumulation_steps);"
-                             " lower the batch size or add prompts.")
         args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+        # β: fixed, or adapted after each rollout batch (see trl_ext/core/kl_control.py)
+        self.kl_ctl = make_kl_controller(args.kl_controller, args.kl_coef, args.kl_target, args.kl_horizon)
+        if args.kl_controller == "adaptive" and args.kl_horizon < args.batch_size:
+            raise ValueError(f"kl_horizon={args.kl_horizon} is smaller than one rollout batch ({args.batch_size}); "
+                             "the controller would move β by more than 20% per batch. Use a horizon of at least "
+                             "the batch size (typical: 10000).")
         self.local_seed = args.seed + accelerator.process_index * 100003
         if args.num_sample_generations > 0:
             self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
@@ -230,18 +243,21 @@ class PPOTrainer(TRLPPOTrainer):
         self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
         self.is_fsdp_enabled = getattr(accelerator.state, "fsdp_plugin", None) is not None
         self.is_distributed_loading_by_transformers = False  # read by Trainer._save on non-zero ranks
+        self.is_fsdp_xla_v1_enabled = False  # read by Trainer._load_optimizer_and_scheduler
         self.hub_model_id = None
         if args.push_to_hub:
             self.init_hf_repo()
         if args.should_save:
             os.makedirs(args.output_dir, exist_ok=True)
 
-        # Data: every process shuffles with the same seed, then each samples with its own
-        self.dataloader = DataLoader(train_dataset, batch_size=args.local_batch_size, shuffle=True,
-                                     collate_fn=data_collator, drop_last=True)
-        torch.manual_seed(args.seed)
-        self.model, self.optimizer, self.dataloader = accelerator.prepare(self.model, self.optimizer, self.dataloader)
-        torch.manual_seed(self.local_seed)
+        # Data: one seeded permutation per data epoch, shared by all processes, each taking its slice
+        self.batch_sampler = RolloutBatchSampler(self.train_dataset_len, args.local_batch_size,
+                                                 accelerator.num_processes, accelerator.process_index, args.seed)
+        # (its own generator: creating the iterator must not draw from the global RNG that sampling uses)
+        self.dataloader = DataLoader(train_dataset, batch_sampler=self.batch_sampler, collate_fn=data_collator,
+                                     generator=torch.Generator().manual_seed(args.seed))
+        self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
+        torch.manual_seed(self.local_seed)  # each process samples its own responses
         self.eval_dataloader = None
         if eval_dataset is not None:
             self.eval_dataloader = accelerator.prepare(
@@ -265,6 +281,21 @@ class PPOTrainer(TRLPPOTrainer):
                                                  tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------------------ helpers
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer; with `critic_learning_rate`, the value model's parameters get their own groups."""
+        optimizer = super().create_optimizer(model)
+        critic_lr = self.args.critic_learning_rate
+        if critic_lr is not None:
+            value_ids = {id(p) for p in self.value_model.parameters()}
+            for group in list(optimizer.param_groups):
+                critic_params = [p for p in group["params"] if id(p) in value_ids]
+                if critic_params:
+                    group["params"] = [p for p in group["params"] if id(p) not in value_ids]
+                    optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"},
+                                               "params": critic_params, "lr": critic_lr})
+            optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        return optimizer
+
     @property
     def unwrapped(self) -> PolicyAndValueWrapper:
         """The policy+value wrapper without its DDP/DeepSpeed shell."""
@@ -335,7 +366,8 @@ class PPOTrainer(TRLPPOTrainer):
             scores = scores - args.missing_eos_penalty * (~stopped).float()
 
         # 6. rewards: −β·KL on every real token, the score on the last real token (see core.shape_rewards)
-        rewards, kl = shape_rewards(scores, logprobs, ref_logprobs, response_mask, args.kl_coef, args.kl_estimator)
+        rewards, kl = shape_rewards(scores, logprobs, ref_logprobs, response_mask, self.kl_ctl.value,
+                                    args.kl_estimator)
         if args.whiten_rewards:
             rewards = masked_whiten(rewards, response_mask, shift_mean=False) * response_mask
 
@@ -351,9 +383,12 @@ class PPOTrainer(TRLPPOTrainer):
         norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
         return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
 
-    def ppo_update(self, rollout: Rollout) -> dict[str, list[float]]:
+    def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> dict[str, list[float]]:
         """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches (gradient accumulation over
-        micro-batches), clipped policy and value losses, gradients clipped to `max_grad_norm`."""
+        micro-batches), clipped policy and value losses, gradients clipped to `max_grad_norm`.
+
+        critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
+        weights nor its optimizer state change; only the value model learns."""
         args, accelerator = self.args, self.accelerator
         stats = defaultdict(list)
         Q = rollout.queries.shape[1]
@@ -374,9 +409,14 @@ class PPOTrainer(TRLPPOTrainer):
                                                                 mb.response_mask, args.cliprange)
                         vf_loss, vf_stats = clipped_value_loss(vpred, mb.values, mb.returns, mb.response_mask,
                                                                args.cliprange_value)
-                        loss = pg_loss + args.vf_coef * vf_loss
+                        # in warmup the policy term is kept at weight 0 so every parameter still gets a gradient
+                        # (DDP needs that); those zeros are dropped below
+                        loss = (0.0 if critic_only else 1.0) * pg_loss + args.vf_coef * vf_loss
                         accelerator.backward(loss)
                         if accelerator.sync_gradients:
+                            if critic_only:
+                                for p in wrapper.policy.parameters():
+                                    p.grad = None  # torch optimizers skip parameters without a gradient
                             # pre-clip norms, then clip (TRL 1.12 ignored max_grad_norm)
                             stats["policy/grad_norm"].append(self._grad_norm(wrapper.policy.parameters()))
                             stats["val/grad_norm"].append(self._grad_norm(wrapper.value_model.parameters()))
@@ -401,20 +441,24 @@ class PPOTrainer(TRLPPOTrainer):
         x = torch.as_tensor(x, dtype=torch.float32, device=self.accelerator.device).reshape(1)
         return self.accelerator.gather_for_metrics(x).mean().item()
 
-    def metrics(self, rollout: Rollout, stats: dict[str, list[float]], start_time: float) -> dict[str, float]:
-        """Step 9: TRL's metric keys, every token average over real response tokens only."""
-        args = self.args
+    def metrics(self, rollout: Rollout, stats: dict[str, list[float]], kl_coef: float, warmup: bool) -> dict:
+        """Step 9: TRL's metric keys, every token average over real response tokens only.
+        kl_coef: the β this rollout's rewards were shaped with."""
         mask = rollout.response_mask
         kl_seq = rollout.kl.sum(1)  # (B,) per-sequence KL; kl is 0 outside the mask
-        non_score = (-args.kl_coef * rollout.kl).sum(1)
+        non_score = (-kl_coef * rollout.kl).sum(1)
+        # k1 and k3 sequence KL side by side, whichever estimator shapes the reward: they should agree on average
+        kl_k1, kl_k3 = ((estimate_kl(rollout.logprobs, rollout.ref_logprobs, k) * mask).sum(1) for k in ("k1", "k3"))
         m = {
-            "eps": self.state.episode / max(time.time() - start_time, 1e-9),  # episodes per second
             "objective/kl": self._mean(kl_seq.mean()),
             "objective/entropy": self._mean((-rollout.logprobs * mask).sum(1).mean()),
             "objective/non_score_reward": self._mean(non_score.mean()),
             "objective/rlhf_reward": self._mean(non_score.mean() + rollout.scores.mean()),
             "objective/scores": self._mean(rollout.scores.mean()),
-            "objective/kl_coef": float(args.kl_coef),
+            "objective/kl_k1": self._mean(kl_k1.mean()),
+            "objective/kl_k3": self._mean(kl_k3.mean()),
+            "objective/kl_coef": float(kl_coef),
+            "val/warmup": float(warmup),
         }
         for key, values in stats.items():
             m[key] = self._mean(sum(values) / len(values))
@@ -439,43 +483,51 @@ class PPOTrainer(TRLPPOTrainer):
             if value is not None:
                 setattr(self.state, name, math.ceil(self.state.max_steps * value) if value < 1 else value)
 
-    def train(self):
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """Run PPO. `resume_from_checkpoint`: a checkpoint folder, or True for the latest in `output_dir`."""
         args, accelerator = self.args, self.accelerator
         device = accelerator.device
-
-        def batches():
-            while True:
-                yield from self.dataloader
-
-        batch_iter = iter(batches())
         self.model.train()
         self._init_state()
+        if resume_from_checkpoint:
+            self._resume(resume_from_checkpoint)
+        self.batch_sampler.start_batch = self.state.global_step  # iteration k uses global batch k
+        batches = iter(self.dataloader)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model
             self.model_wrapped = self.model
-        start_time = time.time()
+        start_time, start_episode = time.time(), self.state.episode
 
-        for update in range(1, args.num_total_batches + 1):
+        for update in range(self.state.global_step + 1, args.num_total_batches + 1):
             self.state.episode += args.batch_size
-            batch = next(batch_iter)
+            batch = next(batches)
             if "attention_mask" not in batch:
                 raise ValueError("The data collator must return `attention_mask` with `input_ids` (PPO needs the "
                                  "real prompt mask; pad ids are not used to guess it).")
+            warmup = self.state.global_step < args.critic_warmup_steps
+            kl_coef = self.kl_ctl.value
+            # 1-7. rollout: generate, score, shape rewards with the current β, advantages
             rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device))
-            stats = self.ppo_update(rollout)
-            metrics = self.metrics(rollout, stats, start_time)
+            # 8. PPO epochs (value model only during critic warmup)
+            stats = self.ppo_update(rollout, critic_only=warmup)
+            # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
+            metrics = self.metrics(rollout, stats, kl_coef, warmup)
+            metrics["eps"] = (self.state.episode - start_episode) / max(time.time() - start_time, 1e-9)  # episodes/s
+            self.kl_ctl.update(metrics["objective/kl"], args.batch_size)
             self.state.epoch = self.state.episode / self.train_dataset_len
             self.state.global_step += 1
             self.log(metrics)
 
             self.lr_scheduler.step()
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                self.generate_completions(sampling=True)
             if self.control.should_save:
                 self._save_checkpoint(self.model, trial=None)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
-            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
-                self.generate_completions(sampling=True)
+            if self.control.should_training_stop:
+                break
 
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.control.should_save:
@@ -496,14 +548,79 @@ class PPOTrainer(TRLPPOTrainer):
             if self.is_deepspeed_enabled:
                 self.deepspeed = backup_deepspeed
 
+    def _run_settings(self) -> dict:
+        """What a resumed run must share with the run that saved the checkpoint."""
+        args, wrapper = self.args, self.unwrapped
+        return {
+            "world_size": args.world_size, "per_device_train_batch_size": args.per_device_train_batch_size,
+            "gradient_accumulation_steps": args.gradient_accumulation_steps, "num_mini_batches": args.num_mini_batches,
+            "num_ppo_epochs": args.num_ppo_epochs, "response_length": args.response_length, "seed": args.seed,
+            "num_prompts": self.train_dataset_len, "kl_controller": args.kl_controller,
+            "peft": self.is_peft_model,
+            "policy_trainable_parameters": sum(p.numel() for p in wrapper.policy.parameters() if p.requires_grad),
+            "value_parameters": sum(p.numel() for p in wrapper.value_model.parameters()),
+        }
+
+    def _barrier(self):
+        if self.accelerator.num_processes > 1:
+            self.accelerator.wait_for_everyone()
+
     def _save_checkpoint(self, model, trial):
-        if self.is_world_process_zero():
-            backup, self.model = self.model, self.unwrapped
-            try:
-                self.create_model_card(model_name=os.path.basename(os.path.normpath(self.args.output_dir)))
-            finally:
-                self.model = backup
-        Trainer._save_checkpoint(self, model, trial)
+        """Write `checkpoint-N` atomically: everything into `checkpoint-N.partial`, then one rename."""
+        run_dir = self.args.output_dir
+        final = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
+        staging = final + ".partial"
+        main = self.accelerator.is_main_process
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+            os.makedirs(staging)
+        self._barrier()
+        self.save_model(staging, _internal_call=True)  # the policy (its adapter, with peft)
+        if main:
+            self.unwrapped.value_model.save_pretrained(os.path.join(staging, VALUE_MODEL_DIR))
+        self._save_optimizer_and_scheduler(staging)
+        self._save_rng_state(staging)
+        if main:
+            for cb in [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]:
+                self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
+            self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
+            with open(os.path.join(staging, TRL_EXT_STATE), "w") as f:
+                json.dump({"kl_controller": self.kl_ctl.state_dict(), "settings": self._run_settings()}, f, indent=2)
+        self._barrier()
+        if main:
+            if os.path.exists(final):
+                shutil.rmtree(final)
+            os.replace(staging, final)
+            rotate_checkpoints(run_dir, save_total_limit=self.args.save_total_limit)
+        self._barrier()
+
+    def _resume(self, checkpoint: str | bool) -> None:
+        """Restore everything a PPO run carries from a checkpoint written by `_save_checkpoint`."""
+        if checkpoint is True:
+            checkpoint = get_last_checkpoint(self.args.output_dir) if os.path.isdir(self.args.output_dir) else None
+            if checkpoint is None:
+                raise ValueError(f"resume_from_checkpoint=True but there is no checkpoint-N folder in "
+                                 f"{self.args.output_dir!r}; pass a checkpoint path or train without resuming.")
+        checkpoint = str(checkpoint)
+        state_file = os.path.join(checkpoint, TRL_EXT_STATE)
+        if not os.path.isfile(state_file):
+            raise ValueError(f"{checkpoint!r} is not a complete trl_ext checkpoint (no {TRL_EXT_STATE}); pass a "
+                             "checkpoint-N folder written by trl_ext.")
+        with open(state_file) as f:
+            saved = json.load(f)
+        check_compatible(saved["settings"], self._run_settings(), checkpoint)
+        wrapper = self.unwrapped
+        if self.is_peft_model:
+            load_adapter(wrapper.policy, checkpoint)
+        else:
+            load_weights(wrapper.policy, checkpoint)
+        load_weights(wrapper.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
+        self._load_optimizer_and_scheduler(checkpoint)
+        self._load_rng_state(checkpoint)
+        self.kl_ctl.load_state_dict(saved["kl_controller"])
+        restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        for name in ("global_step", "episode", "epoch", "log_history", "total_flos"):
+            setattr(self.state, name, getattr(restored, name))
 
     # ------------------------------------------------------------------------------------------------ samples
     @torch.no_grad()

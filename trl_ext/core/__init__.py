@@ -5,6 +5,7 @@ token, left-aligned (real tokens are a prefix of each row).
 """
 from .advantages import compute_gae, explained_variance
 from .kl import KL_ESTIMATORS, estimate_kl
+from .kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, make_kl_controller
 from .losses import clipped_policy_loss, clipped_value_loss, entropy_from_logits, logprobs_from_logits
 from .masks import (
     check_response_mask,
@@ -17,6 +18,9 @@ from .masks import (
 from .rewards import shape_rewards
 
 __all__ = [
+    "AdaptiveKLController",
+    "FixedKLController",
+    "KL_CONTROLLERS",
     "KL_ESTIMATORS",
     "check_response_mask",
     "clipped_policy_loss",
@@ -27,6 +31,7 @@ __all__ = [
     "explained_variance",
     "last_true_index",
     "logprobs_from_logits",
+    "make_kl_controller",
     "masked_mean",
     "masked_var",
     "masked_whiten",

@@ -1,0 +1,42 @@
+"""The order in which prompts are used: deterministic from the seed and the iteration number, so a resumed run
+draws exactly the batches the uninterrupted run would have."""
+
+from __future__ import annotations
+
+import torch
+from torch.utils.data import Sampler
+
+
+class RolloutBatchSampler(Sampler[list[int]]):
+    """Yields, forever, this process's share of each rollout batch.
+
+    Each data epoch e is a permutation of the dataset drawn from `seed + e`; it is cut into global batches of
+    `local_batch_size x world_size` prompts (a ragged tail is dropped), and process `rank` takes its slice of each.
+    `start_batch` skips the batches a resumed run has already used (iteration k uses global batch k).
+    """
+
+    def __init__(self, num_prompts: int, local_batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0,
+                 shuffle: bool = True, start_batch: int = 0):
+        self.global_batch_size = local_batch_size * world_size
+        if num_prompts < self.global_batch_size:
+            raise ValueError(f"The dataset has {num_prompts} prompts, fewer than one rollout batch "
+                             f"({self.global_batch_size} = per_device_train_batch_size x gradient_accumulation_steps "
+                             "x processes); lower the batch size or add prompts.")
+        self.num_prompts, self.local_batch_size, self.rank = num_prompts, local_batch_size, rank
+        self.seed, self.shuffle, self.start_batch = seed, shuffle, start_batch
+        self.batches_per_epoch = num_prompts // self.global_batch_size
+
+    def _order(self, epoch: int) -> torch.Tensor:
+        if not self.shuffle:
+            return torch.arange(self.num_prompts)
+        return torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
+
+    def __iter__(self):
+        batch, epoch, order = self.start_batch, None, None
+        while True:
+            e, i = divmod(batch, self.batches_per_epoch)
+            if e != epoch:
+                epoch, order = e, self._order(e)
+            start = i * self.global_batch_size + self.rank * self.local_batch_size
+            yield order[start : start + self.local_batch_size].tolist()
+            batch += 1
