@@ -105,7 +105,7 @@ def test_adaptive_from_zero_beta_is_an_error(tmp_path):
 
 
 # --- critic warmup ------------------------------------------------------------------------------------------------
-def test_critic_warmup_freezes_the_policy_then_both_move(tmp_path):
+def test_critic_warmup_freezes_the_policy_and_still_saves(tmp_path):
     t = make_trainer(config(tmp_path, critic_warmup_steps=2, save_strategy="steps", save_steps=1),
                      callbacks=[StopAt(2)])
     policy, value = t.unwrapped.policy, t.unwrapped.value_model
