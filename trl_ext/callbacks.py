@@ -19,6 +19,7 @@ import os
 from transformers import TrainerCallback
 
 METRICS_FILE = "metrics.jsonl"
+SAMPLES_FILE = "samples.jsonl"
 
 
 def _jsonable(value):
@@ -60,8 +61,14 @@ class MetricsFileCallback(TrainerCallback):
         if not state.is_world_process_zero or not logs:
             return
         path = self.path(args)
-        os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         record = {key: _jsonable(value) for key, value in logs.items()}
         record["step"] = state.global_step
-        with open(path, "a", encoding="utf-8") as f:
-            f.write(json.dumps(record) + "\n")
+        append_jsonl(path, [record])
+
+
+def append_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
+    """Append records to a JSON-lines file (created with its folder if missing)."""
+    os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)
+    with open(path, "a", encoding="utf-8") as f:
+        for record in records:
+            f.write(json.dumps({key: _jsonable(value) for key, value in record.items()}) + "\n")

@@ -28,7 +28,7 @@ from accelerate.utils import GradientAccumulationPlugin
 from torch.utils.data import DataLoader
 from transformers import DataCollatorWithPadding, Trainer, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
-from transformers.trainer import DEFAULT_CALLBACKS, DEFAULT_PROGRESS_CALLBACK
+from transformers.trainer import DEFAULT_CALLBACKS
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints, set_seed
 from transformers.utils import is_peft_available
@@ -36,6 +36,7 @@ from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import disable_dropout_in_model
 
 from ._trl import OnlineTrainerState, TRLPPOTrainer, create_reference_model
+from .callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
 from .checkpoint import TRL_EXT_STATE, VALUE_MODEL_DIR, check_compatible, load_adapter, load_weights
 from .config import PPOConfig
 from .core import (
@@ -43,7 +44,6 @@ from .core import (
     clipped_value_loss,
     compute_gae,
     entropy_from_logits,
-    estimate_kl,
     logprobs_from_logits,
     make_kl_controller,
     masked_mean,
@@ -52,6 +52,7 @@ from .core import (
     shape_rewards,
 )
 from .data import RolloutBatchSampler
+from .diagnostics import rollout_metrics, update_metrics
 from .models import (
     PolicyAndValueWrapper,
     build_value_model,
@@ -60,7 +61,8 @@ from .models import (
     sampling_config,
     sequence_inputs,
 )
-from .rewards import is_reward_function, score_responses
+from .progress import PPOProgress
+from .rewards import score_responses
 from .rollout import Rollout
 
 if is_peft_available():
@@ -225,12 +227,16 @@ class PPOTrainer(TRLPPOTrainer):
         self.model.config = self.policy_model.config
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
 
-        # Trainer plumbing (callbacks, state), as TRL's
+        # Trainer plumbing (callbacks, state). Every run writes output_dir/metrics.jsonl; report_to adds
+        # TensorBoard/trackio/wandb; the progress bar is PPOProgress (or printed logs with disable_tqdm).
+        callbacks = list(callbacks or [])
+        run_folder = [] if any(isinstance(cb, MetricsFileCallback) for cb in callbacks) else [MetricsFileCallback()]
         default_callbacks = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to)
-        self.callbacks = default_callbacks if callbacks is None else default_callbacks + callbacks
+        self.callbacks = default_callbacks + callbacks + run_folder
         self.callback_handler = CallbackHandler(self.callbacks, self.model, tokenizer, self.optimizer,
                                                 self.lr_scheduler)
-        self.add_callback(PrinterCallback if args.disable_tqdm else DEFAULT_PROGRESS_CALLBACK)
+        if args.disable_tqdm:
+            self.add_callback(PrinterCallback)
         self.control = TrainerControl()
         self.state = OnlineTrainerState(
             is_local_process_zero=self.is_local_process_zero(),
@@ -315,6 +321,22 @@ class PPOTrainer(TRLPPOTrainer):
             with policy.disable_adapter() if self.is_peft_model else nullcontext():
                 yield
 
+    def _phase(self, name: str) -> None:
+        progress = getattr(self, "_progress", None)
+        if progress is not None:
+            progress.phase(name)
+
+    def write_samples(self, rollout: Rollout, max_rows: int = 4) -> None:
+        """Append a few of this rollout's prompts, completions and scores to output_dir/samples.jsonl."""
+        if not self.is_world_process_zero():
+            return
+        tok, n = self.processing_class, min(max_rows, len(rollout))
+        records = [{"step": self.state.global_step,
+                    "prompt": tok.decode(rollout.queries[i][rollout.query_mask[i]], skip_special_tokens=True),
+                    "completion": tok.decode(rollout.responses[i][rollout.response_mask[i]], skip_special_tokens=True),
+                    "score": rollout.scores[i].item()} for i in range(n)]
+        append_jsonl(os.path.join(self.args.output_dir, SAMPLES_FILE), records)
+
     def _chunks(self, n: int):
         step = self.args.local_rollout_forward_batch_size
         return [slice(i, i + step) for i in range(0, n, step)]
@@ -329,6 +351,7 @@ class PPOTrainer(TRLPPOTrainer):
         Q = queries.shape[1]
 
         # 1. generate: sample from softmax(logits / temperature), nothing else
+        self._phase("generating")
         with unwrap_model_for_generation(self.model, accelerator,
                                          gather_deepspeed3_params=args.ds3_gather_for_generation) as unwrapped:
             responses = generate_responses(unwrapped.policy, queries, query_mask, self.generation_config,
@@ -338,6 +361,7 @@ class PPOTrainer(TRLPPOTrainer):
         response_mask = response_mask_from_stop(responses, self.stop_token_id)
         responses = responses.masked_fill(~response_mask, tok.pad_token_id)
 
+        self._phase("scoring")
         logprobs, ref_logprobs, values, scores = [], [], [], []
         for s in self._chunks(queries.shape[0]):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
@@ -393,7 +417,7 @@ class PPOTrainer(TRLPPOTrainer):
         stats = defaultdict(list)
         Q = rollout.queries.shape[1]
         wrapper = self.unwrapped
-        for _epoch in range(args.num_ppo_epochs):
+        for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(args.local_batch_size, device=rollout.queries.device)
             for mb_start in range(0, args.local_batch_size, args.local_mini_batch_size):
                 minibatch = order[mb_start : mb_start + args.local_mini_batch_size]
@@ -433,40 +457,18 @@ class PPOTrainer(TRLPPOTrainer):
                     stats["val/clipfrac_avg"].append(vf_stats["clipfrac"].item())
                     stats["policy/entropy_avg"].append(entropy.item())
                     stats["val/ratio"].append(pg_stats["ratio_mean"].item())
+                    if epoch == 0 and mb_start == 0:  # before any optimizer step of this iteration: must be 1.0
+                        stats["policy/ratio_first_minibatch"].append(pg_stats["ratio_mean"].item())
         return stats
 
     # ------------------------------------------------------------------------------------------------ logging
-    def _mean(self, x: torch.Tensor | float) -> float:
-        """Mean over processes of a per-process scalar."""
-        x = torch.as_tensor(x, dtype=torch.float32, device=self.accelerator.device).reshape(1)
-        return self.accelerator.gather_for_metrics(x).mean().item()
-
     def metrics(self, rollout: Rollout, stats: dict[str, list[float]], kl_coef: float, warmup: bool) -> dict:
-        """Step 9: TRL's metric keys, every token average over real response tokens only.
+        """Step 9: TRL's metric keys and trl_ext's (trl_ext/diagnostics.py), over real tokens and all processes.
         kl_coef: the β this rollout's rewards were shaped with."""
-        mask = rollout.response_mask
-        kl_seq = rollout.kl.sum(1)  # (B,) per-sequence KL; kl is 0 outside the mask
-        non_score = (-kl_coef * rollout.kl).sum(1)
-        # k1 and k3 sequence KL side by side, whichever estimator shapes the reward: they should agree on average
-        kl_k1, kl_k3 = ((estimate_kl(rollout.logprobs, rollout.ref_logprobs, k) * mask).sum(1) for k in ("k1", "k3"))
-        m = {
-            "objective/kl": self._mean(kl_seq.mean()),
-            "objective/entropy": self._mean((-rollout.logprobs * mask).sum(1).mean()),
-            "objective/non_score_reward": self._mean(non_score.mean()),
-            "objective/rlhf_reward": self._mean(non_score.mean() + rollout.scores.mean()),
-            "objective/scores": self._mean(rollout.scores.mean()),
-            "objective/kl_k1": self._mean(kl_k1.mean()),
-            "objective/kl_k3": self._mean(kl_k3.mean()),
-            "objective/kl_coef": float(kl_coef),
-            "val/warmup": float(warmup),
-        }
-        for key, values in stats.items():
-            m[key] = self._mean(sum(values) / len(values))
-        ratios = torch.tensor(stats["val/ratio"])
-        # variance of the per-micro-batch mean ratios; 0 with a single micro-batch (TRL: NaN)
-        m["val/ratio_var"] = self._mean(ratios.var().item() if len(ratios) > 1 else 0.0)
-        m["val/num_eos_tokens"] = self._mean(((rollout.responses == self.stop_token_id) & mask).sum().float()) \
-            if self.stop_token_id is not None else 0.0
+        gather = lambda t: self.accelerator.gather(t.to(self.accelerator.device))  # noqa: E731
+        m = rollout_metrics(rollout, kl_coef, self.stop_token_id, gather)
+        m.update(update_metrics(stats, gather))
+        m["val/warmup"] = float(warmup)
         m["lr"] = self.lr_scheduler.get_last_lr()[0]
         m["episode"] = self.state.episode
         return m
@@ -498,6 +500,9 @@ class PPOTrainer(TRLPPOTrainer):
             self.deepspeed = self.model
             self.model_wrapped = self.model
         start_time, start_episode = time.time(), self.state.episode
+        progress = PPOProgress(args.num_total_batches, initial=self.state.global_step,
+                               disable=args.disable_tqdm or not self.is_world_process_zero())
+        self._progress = progress
 
         for update in range(self.state.global_step + 1, args.num_total_batches + 1):
             self.state.episode += args.batch_size
@@ -510,6 +515,7 @@ class PPOTrainer(TRLPPOTrainer):
             # 1-7. rollout: generate, score, shape rewards with the current β, advantages
             rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device))
             # 8. PPO epochs (value model only during critic warmup)
+            progress.phase("optimising critic" if warmup else "optimising")
             stats = self.ppo_update(rollout, critic_only=warmup)
             # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
             metrics = self.metrics(rollout, stats, kl_coef, warmup)
@@ -518,10 +524,12 @@ class PPOTrainer(TRLPPOTrainer):
             self.state.epoch = self.state.episode / self.train_dataset_len
             self.state.global_step += 1
             self.log(metrics)
+            progress.step(metrics)
 
             self.lr_scheduler.step()
             self.control = self.callback_handler.on_step_end(args, self.state, self.control)
             if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                self.write_samples(rollout)
                 self.generate_completions(sampling=True)
             if self.control.should_save:
                 self._save_checkpoint(self.model, trial=None)
@@ -529,6 +537,7 @@ class PPOTrainer(TRLPPOTrainer):
             if self.control.should_training_stop:
                 break
 
+        progress.close()
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)

@@ -1,0 +1,86 @@
+"""Per-step metrics of a PPO iteration: batch tensors in, a dict of floats out. The one place that reduces across
+processes and calls `.item()`.
+
+Every token statistic is over real response tokens only (`response_mask`), every sequence statistic over all rollouts
+of all processes: row tensors are gathered whole (each process holds the same number of rows), token statistics are
+combined from per-process sums, so the numbers equal those of a single process holding the whole batch.
+
+Shapes: B = rollouts on this process, T = response length.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+import torch
+
+from .core import estimate_kl
+from .rollout import Rollout
+
+Gather = Callable[[torch.Tensor], torch.Tensor]  # (B, k) on each process -> (B·processes, k)
+
+
+def _identity(t: torch.Tensor) -> torch.Tensor:
+    return t
+
+
+def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gather: Gather = _identity) -> dict:
+    """Metrics of one rollout batch (see the README's metric table for meaning and healthy ranges)."""
+    mask = r.response_mask
+    T = mask.shape[1]
+    lengths = mask.sum(1)  # (B,) real response tokens, the stop token included
+    if stop_token_id is None:
+        stopped = torch.zeros_like(lengths, dtype=torch.bool)
+    else:
+        stopped = ((r.responses == stop_token_id) & mask).any(1)
+    truncated = (lengths == T) & ~stopped  # hit the length cap without a stop token
+    kl_seq = r.kl.sum(1)  # (B,) per-sequence KL of the estimator that shapes the reward
+    kl_k1 = (estimate_kl(r.logprobs, r.ref_logprobs, "k1") * mask).sum(1)
+    kl_k3 = (estimate_kl(r.logprobs, r.ref_logprobs, "k3") * mask).sum(1)
+    entropy_seq = (-r.logprobs * mask).sum(1)  # sampled-token estimate of the sequence entropy (TRL's)
+    rows = gather(torch.stack([r.scores.float(), kl_seq, kl_k1, kl_k3, entropy_seq, lengths.float(),
+                               truncated.float(), stopped.float()], 1).float())
+    scores, kl_seq, kl_k1, kl_k3, entropy_seq, lengths, truncated, stopped = rows.unbind(1)
+
+    # value statistics from per-process sums over real tokens: n, Σ returns, Σ returns², Σ d, Σ d², d = returns − V
+    ret, d = r.returns[mask].double(), (r.returns - r.values)[mask].double()
+    sums = gather(torch.stack([torch.tensor(float(ret.numel()), dtype=torch.float64, device=ret.device),
+                               ret.sum(), (ret**2).sum(), d.sum(), (d**2).sum()])[None]).sum(0)
+    n, s_ret, s_ret2, s_d, s_d2 = sums.tolist()
+    var_ret = s_ret2 / n - (s_ret / n) ** 2
+    var_d = s_d2 / n - (s_d / n) ** 2
+    # 1 − Var(returns − V) / Var(returns); 0.0 when the returns do not vary (as core.explained_variance)
+    explained_variance = 1.0 - var_d / var_ret if var_ret > 1e-12 else 0.0
+
+    non_score = -kl_coef * kl_seq
+    return {
+        "objective/kl": kl_seq.mean().item(),
+        "objective/kl_k1": kl_k1.mean().item(),
+        "objective/kl_k3": kl_k3.mean().item(),
+        "objective/kl_coef": float(kl_coef),
+        "objective/entropy": entropy_seq.mean().item(),
+        "objective/non_score_reward": non_score.mean().item(),
+        "objective/rlhf_reward": (non_score + scores).mean().item(),
+        "objective/scores": scores.mean().item(),
+        "objective/scores_std": scores.std(unbiased=False).item(),
+        "objective/scores_min": scores.min().item(),
+        "objective/scores_max": scores.max().item(),
+        "val/explained_variance": explained_variance,
+        "val/value_error": s_d2 / n,  # mean squared error of V against the returns
+        "val/num_eos_tokens": stopped.sum().item(),
+        "rollout/response_length_mean": lengths.mean().item(),
+        "rollout/truncation_rate": truncated.mean().item(),
+    }
+
+
+def update_metrics(stats: dict[str, list[float]], gather: Gather = _identity) -> dict:
+    """Means over the micro-batches of the PPO epochs (and over processes) of what `ppo_update` recorded."""
+    out = {}
+    for key, values in stats.items():
+        local = torch.tensor([sum(values) / len(values)], dtype=torch.float64)
+        out[key] = gather(local).mean().item()
+    ratios = torch.tensor(stats["val/ratio"], dtype=torch.float64)
+    # variance of the per-micro-batch mean ratios; 0 with a single micro-batch (TRL 1.12: NaN)
+    out["val/ratio_var"] = gather(torch.tensor([ratios.var().item() if len(ratios) > 1 else 0.0],
+                                               dtype=torch.float64)).mean().item()
+    return out
