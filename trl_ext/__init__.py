@@ -1,11 +1,24 @@
 """trl_ext: a correct, drop-in PPOTrainer for Hugging Face TRL.
 
     from trl_ext import PPOConfig, PPOTrainer   # instead of: from trl.experimental.ppo import PPOConfig, PPOTrainer
-"""
 
-from .config import PPOConfig
-from .rollout import Rollout
-from .trainer import PPOTrainer
+The trainer classes are imported on first use, so `trl_ext.core`, `trl_ext.report` and the `trl-ext` command start
+without loading trl.
+"""
 
 __version__ = "0.1.0"
 __all__ = ["PPOConfig", "PPOTrainer", "Rollout", "__version__"]
+
+_LAZY = {"PPOConfig": ".config", "PPOTrainer": ".trainer", "Rollout": ".rollout"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'trl_ext' has no attribute {name!r}")
+
+
+def __dir__():
+    return sorted(list(globals()) + list(_LAZY))
