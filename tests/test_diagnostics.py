@@ -123,3 +123,32 @@ def test_a_run_writes_its_run_folder_and_a_progress_bar(tmp_path, capsys):
     assert list(tmp_path.rglob("events.out.tfevents.*")), "report_to=['tensorboard'] wrote no events"
     err = capsys.readouterr().err
     assert "PPO [" in err and "score=" in err and "kl=" in err
+
+
+def test_alarms_are_warned_and_written_to_the_run_folder_and_the_report(tmp_path):
+    """A threshold no real run meets (approx KL above 1e-12) raises kl_blowup on the first step that updates twice:
+    a PPOAlarmWarning, an alarm/kl_blowup key in metrics.jsonl, the alarm in `trl-ext report`'s summary and PNG."""
+    from trl_ext.alarms import PPOAlarmWarning
+    from trl_ext.report import report
+
+    tok = tiny_tokenizer()
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=8, response_length=5,
+                     num_ppo_epochs=2, report_to=[], save_strategy="no", num_sample_generations=0, bf16=False,
+                     disable_tqdm=True, learning_rate=1e-2, alarm_thresholds={"approxkl_max": 1e-12})
+    t = PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok), ref_model=None,
+                   reward_model=tiny_scalar_model(tok, seed=2), train_dataset=tiny_prompt_dataset(tok, 8),
+                   value_model=tiny_scalar_model(tok))
+    with pytest.warns(PPOAlarmWarning, match="kl_blowup"):
+        t.train()
+    lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
+    assert lines[0].get("alarm/kl_blowup") == 1.0 and "alarm/kl_blowup" not in lines[1]  # once per episode
+    summary = report(str(tmp_path))
+    assert "kl_blowup" in summary
+    assert (tmp_path / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+
+def test_bad_alarm_thresholds_are_config_errors(tmp_path):
+    with pytest.raises(ValueError, match="unknown alarm threshold"):
+        PPOConfig(output_dir=str(tmp_path), bf16=False, alarm_thresholds={"clip_max": 0.4})
+    with pytest.raises(ValueError, match="is not valid JSON"):
+        PPOConfig(output_dir=str(tmp_path), bf16=False, alarm_thresholds="{clipfrac_max: 0.4}")

@@ -9,6 +9,7 @@ Differences from TRL 1.12 (each one a reported defect):
 - Every numeric field is checked in `__post_init__`: a bad value raises a ValueError that names it and the fix.
 """
 
+import json
 import math
 from dataclasses import dataclass, field
 
@@ -58,6 +59,11 @@ class PPOConfig(TRLPPOConfig):
             the value model (`value_model_init` = `"reward_model"` or `"policy"`), `"keep"` for a given one.
         critic_learning_rate (`float`, *optional*):
             Learning rate of the value model. Unset: `learning_rate`.
+        alarms (`bool`, defaults to `True`):
+            Watch the logged metrics for PPO's failure modes (KL blow-up, generator/trainer mismatch, value lag,
+            entropy collapse, length exploitation, reward hacking) and warn once per episode of trouble.
+        alarm_thresholds (`dict` or JSON `str`, *optional*):
+            Overrides of `trl_ext.alarms.AlarmThresholds`, e.g. `{"clipfrac_max": 0.4}`.
     """
 
     bf16: bool | None = field(
@@ -109,6 +115,15 @@ class PPOConfig(TRLPPOConfig):
         default=None,
         metadata={"help": "Learning rate of the value model. Unset: learning_rate."},
     )
+    alarms: bool = field(
+        default=True,
+        metadata={"help": "Watch the metrics for PPO's failure modes and warn (trl_ext/alarms.py)."},
+    )
+    alarm_thresholds: dict | str | None = field(
+        default=None,
+        metadata={"help": "Overrides of the alarm thresholds, as a dict or a JSON string, e.g. "
+                  "'{\"clipfrac_max\": 0.4}'. See trl_ext.alarms.AlarmThresholds for the names."},
+    )
 
     def __post_init__(self):
         if self.bf16 is None:
@@ -158,5 +173,15 @@ class PPOConfig(TRLPPOConfig):
               f"value_head_init={self.value_head_init!r} is not one of {VALUE_HEAD_INITS} (or None).")
         check(self.critic_learning_rate is None or self.critic_learning_rate > 0,
               f"critic_learning_rate={self.critic_learning_rate} must be > 0, or None to use learning_rate.")
+        if isinstance(self.alarm_thresholds, str):
+            try:
+                self.alarm_thresholds = json.loads(self.alarm_thresholds)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"alarm_thresholds={self.alarm_thresholds!r} is not valid JSON ({e}); pass e.g. "
+                                 "'{\"clipfrac_max\": 0.4}'.") from e
+        if self.alarm_thresholds is not None:
+            from .alarms import AlarmThresholds
+
+            AlarmThresholds.from_dict(self.alarm_thresholds)  # unknown names and bad values: a clear ValueError
         check(self.total_episodes is None or self.total_episodes >= 1,
               f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size).")

@@ -36,6 +36,7 @@ from trl.models.utils import unwrap_model_for_generation
 from trl.trainer.utils import disable_dropout_in_model
 
 from ._trl import OnlineTrainerState, TRLPPOTrainer, create_reference_model
+from .alarms import AlarmCallback
 from .callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
 from .checkpoint import TRL_EXT_STATE, VALUE_MODEL_DIR, check_compatible, load_adapter, load_weights
 from .config import PPOConfig
@@ -227,12 +228,17 @@ class PPOTrainer(TRLPPOTrainer):
         self.model.config = self.policy_model.config
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
 
-        # Trainer plumbing (callbacks, state). Every run writes output_dir/metrics.jsonl; report_to adds
-        # TensorBoard/trackio/wandb; the progress bar is PPOProgress (or printed logs with disable_tqdm).
+        # Trainer plumbing (callbacks, state). Alarms first (they add alarm/<name> keys to the logs the others
+        # see); report_to adds TensorBoard/trackio/wandb; every run writes output_dir/metrics.jsonl; the progress bar
+        # is PPOProgress (or printed logs with disable_tqdm).
         callbacks = list(callbacks or [])
+        alarms = [cb for cb in callbacks if isinstance(cb, AlarmCallback)]
+        if not alarms and args.alarms:
+            alarms = [AlarmCallback(args.alarm_thresholds)]
+        callbacks = [cb for cb in callbacks if not isinstance(cb, AlarmCallback)]
         run_folder = [] if any(isinstance(cb, MetricsFileCallback) for cb in callbacks) else [MetricsFileCallback()]
-        default_callbacks = DEFAULT_CALLBACKS + get_reporting_integration_callbacks(args.report_to)
-        self.callbacks = default_callbacks + callbacks + run_folder
+        self.callbacks = (DEFAULT_CALLBACKS + alarms + get_reporting_integration_callbacks(args.report_to)
+                          + callbacks + run_folder)
         self.callback_handler = CallbackHandler(self.callbacks, self.model, tokenizer, self.optimizer,
                                                 self.lr_scheduler)
         if args.disable_tqdm:
@@ -630,6 +636,10 @@ class PPOTrainer(TRLPPOTrainer):
         restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         for name in ("global_step", "episode", "epoch", "log_history", "total_flos"):
             setattr(self.state, name, getattr(restored, name))
+        for cb in self.callback_handler.callbacks:  # e.g. the alarms' episode state
+            saved_state = restored.stateful_callbacks.get(cb.__class__.__name__)
+            if isinstance(cb, ExportableState) and isinstance(saved_state, dict) and hasattr(cb, "load_state"):
+                cb.load_state(saved_state)
 
     # ------------------------------------------------------------------------------------------------ samples
     @torch.no_grad()

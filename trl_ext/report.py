@@ -1,0 +1,460 @@
+"""Post-hoc report of a trl_ext PPO run: a text summary and a one-page PNG dashboard.
+
+The trainer's output_dir holds ``metrics.jsonl`` (one JSON object per PPO step, written by
+`trl_ext.callbacks.MetricsFileCallback`) and may hold ``samples.jsonl``. From the command line::
+
+    trl-ext report RUN_DIR            # or: python -m trl_ext.cli report RUN_DIR
+
+From Python::
+
+    from trl_ext.report import load_metrics, summarize, make_dashboard, report
+    print(report("runs/quickstart"))  # writes runs/quickstart/dashboard.png
+
+This module needs only the standard library and matplotlib (Agg backend, no window is ever opened); it does not
+import torch, transformers or trl.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+from pathlib import Path
+
+METRICS_FILE = "metrics.jsonl"  # same name as trl_ext.callbacks.METRICS_FILE (not imported: it pulls transformers)
+SAMPLES_FILE = "samples.jsonl"
+DASHBOARD_FILE = "dashboard.png"
+
+PANEL_TITLES = (
+    "Reward vs KL (frontier)",
+    "KL and β over steps",
+    "Clip fraction and approx KL",
+    "Value explained variance",
+    "Entropy",
+    "Response length and truncation rate",
+)
+
+# (label, key) rows of the summary table, in order.
+SUMMARY_ROWS = (
+    ("score", "objective/scores"),
+    ("KL (nats)", "objective/kl"),
+    ("β (kl_coef)", "objective/kl_coef"),
+    ("clip fraction", "policy/clipfrac_avg"),
+    ("approx KL", "policy/approxkl_avg"),
+    ("explained variance", "val/explained_variance"),
+    ("entropy (nats/token)", "policy/entropy_avg"),
+    ("response length", "rollout/response_length_mean"),
+    ("truncation rate", "rollout/truncation_rate"),
+)
+
+ALARM_PREFIX = "alarm/"
+_ALARM_COLORS = {
+    "kl_blowup": "tab:red",
+    "generator_mismatch": "tab:purple",
+    "value_lag": "tab:brown",
+    "entropy_collapse": "tab:pink",
+    "length_exploitation": "tab:olive",
+    "reward_hacking": "tab:cyan",
+}
+_EXTRA_ALARM_COLORS = ("black", "tab:gray", "darkgoldenrod", "darkslateblue")
+_LEFT, _RIGHT = "tab:blue", "tab:orange"  # colours of the left and right (twin) axis series
+
+
+# ------------------------------------------------------------------------------------------------------- loading
+
+
+def _metrics_path(run_dir) -> Path:
+    path = Path(run_dir)
+    if path.is_file():  # a path to metrics.jsonl itself is accepted too
+        return path
+    if not path.exists():
+        raise FileNotFoundError(
+            f"run folder {str(path)!r} does not exist. Pass the output_dir of a trl_ext training run: "
+            f"trl_ext's PPOTrainer (with trl_ext.callbacks.MetricsFileCallback) writes {METRICS_FILE} there."
+        )
+    file = path / METRICS_FILE
+    if not file.is_file():
+        raise FileNotFoundError(
+            f"{str(file)!r} not found: {str(path)!r} has no {METRICS_FILE}. It is written during training by "
+            f"trl_ext's PPOTrainer to its output_dir (trl_ext.callbacks.MetricsFileCallback, one JSON line per PPO "
+            f"step): train with trl_ext, then run `trl-ext report <output_dir>`."
+        )
+    return file
+
+
+def load_metrics(run_dir) -> list[dict]:
+    """The records of ``<run_dir>/metrics.jsonl`` (one dict per non-blank line, in file order).
+
+    `run_dir` may also be the path of the file itself. JSON ``null`` (how the callback writes NaN) stays ``None``.
+
+    Raises:
+        FileNotFoundError: the folder or the file does not exist (the message says how the file is produced).
+        ValueError: a line is not a JSON object; the message names the file and the line number.
+    """
+    file = _metrics_path(run_dir)
+    records = []
+    with open(file, encoding="utf-8") as f:
+        for lineno, line in enumerate(f, start=1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{file}: line {lineno} is not valid JSON ({e.msg}): {line.strip()[:120]!r}") from e
+            if not isinstance(record, dict):
+                raise ValueError(
+                    f"{file}: line {lineno} is a JSON {type(record).__name__}, expected an object "
+                    f"like {{\"step\": 1, \"objective/kl\": 0.1, ...}}"
+                )
+            records.append(record)
+    return records
+
+
+def _load_samples(run_dir) -> list[dict]:
+    """``samples.jsonl`` records; lines that are not JSON objects are skipped (samples are only a garnish)."""
+    file = Path(run_dir) / SAMPLES_FILE
+    if not file.is_file():
+        return []
+    samples = []
+    with open(file, encoding="utf-8") as f:
+        for line in f:
+            try:
+                record = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(record, dict):
+                samples.append(record)
+    return samples
+
+
+# ------------------------------------------------------------------------------------------------------- series
+
+
+def _num(value) -> float:
+    """A float, NaN for null / missing / non-numeric values."""
+    if isinstance(value, bool) or value is None:
+        return math.nan if value is None else float(value)
+    if isinstance(value, (int, float)):
+        return float(value)
+    try:
+        return float(value)  # numbers written as strings
+    except (TypeError, ValueError):
+        return math.nan
+
+
+class _Run:
+    """Records reduced to one per step, sorted by step. A file appended to by a rerun or a resume can hold a step
+    twice; the later line wins."""
+
+    def __init__(self, records: list[dict]):
+        by_step: dict[int, dict] = {}
+        self.repeated = 0
+        self.without_step = 0
+        for record in records:
+            step = _num(record.get("step"))
+            if not math.isfinite(step):
+                self.without_step += 1
+                continue
+            step = int(step)
+            if step in by_step:
+                self.repeated += 1
+            by_step[step] = record
+        self.steps = sorted(by_step)
+        self.records = [by_step[s] for s in self.steps]
+
+    def __len__(self):
+        return len(self.steps)
+
+    def has(self, key: str) -> bool:
+        return any(math.isfinite(_num(r.get(key))) for r in self.records)
+
+    def series(self, key: str) -> list[float]:
+        return [_num(r.get(key)) for r in self.records]
+
+    def alarms(self) -> list[tuple[int, str]]:
+        """(step, name) for every ``alarm/<name>`` that is set (non-zero) on a step, in step order."""
+        raised = []
+        for step, record in zip(self.steps, self.records):
+            for key in sorted(record):
+                if key.startswith(ALARM_PREFIX):
+                    value = _num(record[key])
+                    if math.isfinite(value) and value != 0:
+                        raised.append((step, key[len(ALARM_PREFIX):]))
+        return raised
+
+
+def _window(n: int) -> int:
+    """Steps averaged for 'start' and 'end': 10% of the steps rounded up (one step for runs of up to 10 steps)."""
+    return max(1, math.ceil(n / 10))
+
+
+def _mean(values) -> float:
+    finite = [v for v in values if math.isfinite(v)]
+    return sum(finite) / len(finite) if finite else math.nan
+
+
+def _fmt(value: float) -> str:
+    return "n/a" if not math.isfinite(value) else f"{value:.4g}"
+
+
+# ------------------------------------------------------------------------------------------------------- summary
+
+
+def summarize(records: list[dict]) -> str:
+    """A compact text table: each key metric at the start and at the end of the run, then the alarms raised.
+
+    'start' and 'end' are the means over the first and the last 10% of the steps, rounded up (so for runs of up to 10
+    steps: the first and the last step); the header line says which steps. Null values are left out of the
+    means; a metric absent from the file shows "no data".
+    """
+    run = _Run(records)
+    lines = []
+    if not len(run):
+        lines.append("no PPO steps in metrics.jsonl (no record has a \"step\")")
+    else:
+        n, k = len(run), _window(len(run))
+        first, last = run.steps[:k], run.steps[-k:]
+        episodes = _num(run.records[-1].get("episode"))
+        lines.append(
+            f"{n} steps (step {run.steps[0]} to {run.steps[-1]})"
+            + (f", {int(episodes)} episodes" if math.isfinite(episodes) else "")
+        )
+        if k == 1:
+            lines.append(f"start = first step ({first[0]}), end = last step ({last[0]})")
+        else:
+            lines.append(
+                f"start = mean of first 10% of steps ({first[0]}-{first[-1]}), "
+                f"end = mean of last 10% of steps ({last[0]}-{last[-1]})"
+            )
+        name_w = max(len(label) for label, _ in SUMMARY_ROWS)
+        lines.append(f"  {'metric':<{name_w}}  {'start':>10}  {'end':>10}  {'change':>10}")
+        for label, key in SUMMARY_ROWS:
+            if not run.has(key):
+                lines.append(f"  {label:<{name_w}}  {'no data':>10}  {'':>10}  {'':>10}   (no values logged for {key})")
+                continue
+            values = run.series(key)
+            start, end = _mean(values[:k]), _mean(values[-k:])
+            change = end - start
+            change_s = f"{change:+.3g}" if math.isfinite(change) else "n/a"
+            lines.append(f"  {label:<{name_w}}  {_fmt(start):>10}  {_fmt(end):>10}  {change_s:>10}")
+    if run.repeated:
+        lines.append(
+            f"note: {run.repeated} line(s) repeat an earlier step (file appended by a rerun or a resume); "
+            "the later line is used"
+        )
+    if run.without_step:
+        lines.append(f"note: {run.without_step} line(s) without a \"step\" were left out")
+    alarms = run.alarms()
+    if alarms:
+        lines.append("alarms raised:")
+        lines.extend(f"  step {step}: {name}" for step, name in alarms)
+    else:
+        lines.append("alarms raised: none")
+    return "\n".join(lines)
+
+
+def _summarize_samples(samples: list[dict], width: int = 100) -> list[str]:
+    """Best and worst completion at the last sampled step."""
+    steps = [_num(s.get("step")) for s in samples]
+    finite = [s for s in steps if math.isfinite(s)]
+    if not finite:
+        return [f"samples.jsonl: {len(samples)} samples"]
+    last_step = max(finite)
+    at_last = [s for s, st in zip(samples, steps) if st == last_step and math.isfinite(_num(s.get("score")))]
+    lines = [f"samples.jsonl: {len(samples)} samples; at step {int(last_step)}:"]
+    if at_last:
+        ranked = sorted(at_last, key=lambda s: _num(s["score"]))
+        for tag, s in (("best", ranked[-1]), ("worst", ranked[0])):
+            text = " ".join(str(s.get("completion", "")).split())
+            text = text if len(text) <= width else text[: width - 1] + "…"
+            lines.append(f"  {tag} (score {_fmt(_num(s['score']))}): {text!r}")
+    return lines
+
+
+# ------------------------------------------------------------------------------------------------------ dashboard
+
+
+def _no_data(ax, keys, where=(0.5, 0.5), ha="center"):
+    ax.text(*where, "no data\n(no values logged for " + ", ".join(keys) + ")", transform=ax.transAxes, ha=ha,
+            va="center", fontsize=10, color="0.4", style="italic",
+            bbox=dict(facecolor="white", edgecolor="none", alpha=0.8))
+
+
+def _alarm_colors(names) -> dict:
+    colors, extra = {}, iter(_EXTRA_ALARM_COLORS * 10)
+    for name in names:
+        colors[name] = _ALARM_COLORS.get(name) or next(extra)
+    return colors
+
+
+def _mark_alarms(ax, alarms, colors):
+    for step, name in alarms:
+        line = ax.axvline(step, color=colors[name], linestyle=":", linewidth=1.6, alpha=0.9, zorder=0,
+                          label=f"_alarm {name}")
+        line.set_gid(f"alarm/{name}")
+
+
+def _step_panel(ax, run, key, label, color=_LEFT, marker="o"):
+    """Plot `key` vs step on `ax`; return the line, or None (and write "no data") when the key is absent."""
+    if not run.has(key):
+        return None
+    (line,) = ax.plot(run.steps, run.series(key), color=color, marker=marker, markersize=3, linewidth=1.5,
+                      label=label)
+    line.set_gid(key)
+    return line
+
+
+def _twin_panel(ax, run, title, left, right):
+    """Two series vs step: `left` = (key, label) on ax, `right` = (key, label) on a twin right axis."""
+    ax.set_title(title)
+    twin = ax.twinx()
+    handles = []
+    for axis, (key, label), color, side in ((ax, left, _LEFT, "left"), (twin, right, _RIGHT, "right")):
+        axis.set_xlabel("step")
+        axis.set_ylabel(label, color=color)
+        axis.tick_params(axis="y", colors=color)
+        values = [v for v in run.series(key) if math.isfinite(v)]
+        if values and min(values) == max(values):  # e.g. a fixed β: say so rather than leave a flat line to decode
+            label = f"{label} = {values[0]:.4g} (constant)"
+        line = _step_panel(axis, run, key, label, color=color, marker="o" if side == "left" else "s")
+        if line is not None:
+            handles.append(line)
+    missing = [key for key, _ in (left, right) if not run.has(key)]
+    if len(missing) == 2:
+        _no_data(ax, missing)
+    elif missing:
+        _no_data(ax, missing, where=(0.5, 0.12))
+    if handles:
+        for axis in (ax, twin):  # headroom above the data for the legend
+            if axis.lines:
+                lo, hi = axis.get_ylim()
+                axis.set_ylim(lo, hi + 0.25 * (hi - lo))
+        twin.legend(handles=handles, loc="upper left", fontsize=8, framealpha=0.9)  # on the twin: drawn on top
+    return twin
+
+
+def make_dashboard(records: list[dict], path, title: str | None = None):
+    """Draw the run's dashboard, save it as a PNG at `path`, and return the `matplotlib.figure.Figure`.
+
+    Six panels: reward vs KL (the frontier, coloured by step); KL and β; clip fraction and approx KL; value explained
+    variance; entropy; response length and truncation rate. Alarm steps are dotted vertical lines on the step-based
+    panels, named in the figure legend. A panel whose metrics are not in `records` says "no data". `title` (default:
+    the name of the folder `path` is in) is the figure's title. Uses the Agg backend directly: no window, no pyplot
+    state.
+    """
+    from matplotlib.backends.backend_agg import FigureCanvasAgg
+    from matplotlib.figure import Figure
+    from matplotlib.lines import Line2D
+
+    path = Path(path)
+    run = _Run(records)
+    alarms = run.alarms()
+    colors = _alarm_colors(dict.fromkeys(name for _, name in alarms))
+
+    fig = Figure(figsize=(15, 14), dpi=100, layout="constrained")
+    FigureCanvasAgg(fig)
+    axes = fig.subplots(3, 2)
+    ax_front, ax_kl, ax_clip, ax_ev, ax_ent, ax_len = axes.flat
+
+    # (1) reward vs KL: one point per step, coloured by step, joined in step order.
+    ax_front.set_title(PANEL_TITLES[0])
+    ax_front.set_xlabel("KL to reference, nats (objective/kl)")
+    ax_front.set_ylabel("score (objective/scores)")
+    kl, score = run.series("objective/kl"), run.series("objective/scores")
+    points = [(s, x, y) for s, x, y in zip(run.steps, kl, score) if math.isfinite(x) and math.isfinite(y)]
+    if points:
+        steps, xs, ys = map(list, zip(*points))
+        (line,) = ax_front.plot(xs, ys, color="0.6", linewidth=1, zorder=1)
+        line.set_gid("frontier")
+        sc = ax_front.scatter(xs, ys, c=steps, cmap="viridis", s=30, zorder=2, edgecolors="none")
+        cbar = fig.colorbar(sc, ax=ax_front)
+        cbar.set_label("step")
+        ax_front.margins(0.08)  # room for the start/end labels
+        for i, text in ((0, "start"), (-1, "end")):
+            ax_front.annotate(f"{text} (step {steps[i]})", (xs[i], ys[i]), textcoords="offset points", xytext=(8, -14),
+                              fontsize=9, zorder=3,
+                              bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="0.7", alpha=0.85))
+    else:
+        _no_data(ax_front, [k for k in ("objective/kl", "objective/scores") if not run.has(k)] or
+                 ["objective/kl with objective/scores"])
+
+    # (2) KL (left) and β (right).
+    _twin_panel(ax_kl, run, PANEL_TITLES[1], ("objective/kl", "KL, nats (objective/kl)"),
+                ("objective/kl_coef", "β (objective/kl_coef)"))
+
+    # (3) clip fraction (left) and approx KL (right).
+    _twin_panel(ax_clip, run, PANEL_TITLES[2], ("policy/clipfrac_avg", "clip fraction (policy/clipfrac_avg)"),
+                ("policy/approxkl_avg", "approx KL (policy/approxkl_avg)"))
+
+    # (4) value explained variance, with y = 0 (a critic no better than a constant) dashed.
+    ax_ev.set_title(PANEL_TITLES[3])
+    ax_ev.set_xlabel("step")
+    ax_ev.set_ylabel("explained variance (val/explained_variance)")
+    ax_ev.axhline(0.0, color="0.3", linestyle="--", linewidth=1, label="0 (constant predictor)")
+    if _step_panel(ax_ev, run, "val/explained_variance", "explained variance") is None:
+        _no_data(ax_ev, ["val/explained_variance"])
+    else:
+        ev = [v for v in run.series("val/explained_variance") if math.isfinite(v)]
+        if min(ev) < -2:  # a cold critic can sit at -50: keep the interesting range [-2, 1] readable
+            ax_ev.set_ylim(bottom=-2, top=max(1.05, max(ev) + 0.05))
+            ax_ev.text(0.01, 0.02, f"clipped at -2 (min {min(ev):.3g})", transform=ax_ev.transAxes, fontsize=8,
+                       color="0.4")
+        warm = [s for s, w in zip(run.steps, run.series("val/warmup")) if math.isfinite(w) and w != 0]
+        if warm:
+            ax_ev.axvspan(min(warm) - 0.5, max(warm) + 0.5, color="0.85", zorder=0, label="critic warmup")
+        ax_ev.legend(loc="lower right", fontsize=8, framealpha=0.8)
+
+    # (5) per-token policy entropy.
+    ax_ent.set_title(PANEL_TITLES[4])
+    ax_ent.set_xlabel("step")
+    ax_ent.set_ylabel("entropy, nats/token (policy/entropy_avg)")
+    if _step_panel(ax_ent, run, "policy/entropy_avg", "entropy") is None:
+        _no_data(ax_ent, ["policy/entropy_avg"])
+
+    # (6) response length (left) and truncation rate (right).
+    _twin_panel(ax_len, run, PANEL_TITLES[5], ("rollout/response_length_mean", "mean response length, tokens"),
+                ("rollout/truncation_rate", "truncation rate"))
+
+    for ax in (ax_kl, ax_clip, ax_ev, ax_ent, ax_len):
+        _mark_alarms(ax, alarms, colors)
+        ax.grid(True, alpha=0.3)
+        if len(run):  # the run's steps, also on panels with no data
+            pad = max(0.5, 0.03 * (run.steps[-1] - run.steps[0]))
+            ax.set_xlim(run.steps[0] - pad, run.steps[-1] + pad)
+    ax_front.grid(True, alpha=0.3)
+
+    if alarms:
+        by_name: dict[str, list[int]] = {}
+        for step, name in alarms:
+            by_name.setdefault(name, []).append(step)
+        handles = [Line2D([], [], color=colors[name], linestyle=":", linewidth=2,
+                          label=f"alarm {name} (step{'s' if len(st) > 1 else ''} {', '.join(map(str, st))})")
+                   for name, st in by_name.items()]
+        fig.legend(handles=handles, loc="outside lower center", ncols=min(3, len(handles)), fontsize=10,
+                   title="alarms (dotted lines on the step panels)", title_fontsize=10)
+
+    name = title if title is not None else path.resolve().parent.name
+    fig.suptitle(f"trl_ext run: {name}" + ("" if alarms else "   (no alarms raised)"), fontsize=15)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path, format="png")
+    return fig
+
+
+# -------------------------------------------------------------------------------------------------------- report
+
+
+def report(run_dir) -> str:
+    """Read ``<run_dir>/metrics.jsonl``, write ``<run_dir>/dashboard.png``, and return the text summary (ready to
+    print; its last line is the PNG path). Raises as `load_metrics` does."""
+    records = load_metrics(run_dir)
+    run_dir = Path(run_dir)
+    if run_dir.is_file():  # the path of metrics.jsonl itself
+        run_dir = run_dir.parent
+    png = run_dir / DASHBOARD_FILE
+    make_dashboard(records, png, title=run_dir.resolve().name)
+    parts = [f"run: {os.fspath(run_dir)}", summarize(records)]
+    samples = _load_samples(run_dir)
+    if samples:
+        parts.append("\n".join(_summarize_samples(samples)))
+    parts.append(f"dashboard: {png.resolve()}")
+    return "\n".join(parts)
