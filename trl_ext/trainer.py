@@ -108,6 +108,7 @@ class PPOTrainer(TRLPPOTrainer):
         optimizers=(None, None),
         callbacks=None,
         peft_config: "PeftConfig | None" = None,
+        eval_reward=None,
     ) -> None:
         if not isinstance(args, PPOConfig):
             raise TypeError(f"`args` must be a trl_ext.PPOConfig, got {type(args).__name__}: import PPOConfig from "
@@ -166,6 +167,9 @@ class PPOTrainer(TRLPPOTrainer):
             self.ref_model = create_reference_model(self.policy_model)
 
         self.reward_model = reward_model
+        self.eval_reward = eval_reward  # a gold scorer for evaluation only (never trained on)
+        if eval_reward is not None and eval_dataset is None:
+            raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
         self.train_dataset = train_dataset
         self.train_dataset_len = len(train_dataset)
         self.value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, model,
@@ -272,9 +276,15 @@ class PPOTrainer(TRLPPOTrainer):
         torch.manual_seed(self.local_seed)  # each process samples its own responses
         self.eval_dataloader = None
         if eval_dataset is not None:
-            self.eval_dataloader = accelerator.prepare(
-                DataLoader(eval_dataset, batch_size=args.per_device_eval_batch_size, collate_fn=data_collator,
-                           drop_last=True))
+            # each process evaluates its own share of the prompts, in order; its own generator so that iterating
+            # it never draws from the training RNG
+            shard = torch.utils.data.Subset(eval_dataset, range(accelerator.process_index, len(eval_dataset),
+                                                                accelerator.num_processes))
+            if len(shard) == 0:
+                raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts, fewer than the {accelerator.num_processes}"
+                                 " processes; add prompts.")
+            self.eval_dataloader = DataLoader(shard, batch_size=args.per_device_eval_batch_size,
+                                              collate_fn=data_collator, generator=torch.Generator().manual_seed(0))
 
         if self.is_deepspeed_enabled:
             from trl.models.utils import prepare_deepspeed
@@ -288,6 +298,8 @@ class PPOTrainer(TRLPPOTrainer):
                 self.ref_model = self.ref_model.to(accelerator.device)
             if isinstance(self.reward_model, torch.nn.Module):
                 self.reward_model = self.reward_model.to(accelerator.device)
+            if isinstance(self.eval_reward, torch.nn.Module):
+                self.eval_reward = self.eval_reward.to(accelerator.device)
 
         self.generation_config = sampling_config(args.response_length, args.temperature, self.stop_token_id,
                                                  tokenizer.pad_token_id)
@@ -529,6 +541,9 @@ class PPOTrainer(TRLPPOTrainer):
             self.kl_ctl.update(metrics["objective/kl"], args.batch_size)
             self.state.epoch = self.state.episode / self.train_dataset_len
             self.state.global_step += 1
+            if self._should_evaluate():
+                progress.phase("evaluating")
+                metrics.update(self.evaluate_policy())
             self.log(metrics)
             progress.step(metrics)
 
@@ -575,6 +590,12 @@ class PPOTrainer(TRLPPOTrainer):
             "policy_trainable_parameters": sum(p.numel() for p in wrapper.policy.parameters() if p.requires_grad),
             "value_parameters": sum(p.numel() for p in wrapper.value_model.parameters()),
         }
+
+    def _should_evaluate(self) -> bool:
+        steps = self.state.eval_steps or self.args.logging_steps
+        return (self.eval_dataloader is not None and self.args.eval_strategy != "no"
+                and (self.state.global_step % max(int(steps), 1) == 0
+                     or self.state.global_step == self.args.num_total_batches))
 
     def _barrier(self):
         if self.accelerator.num_processes > 1:
@@ -640,6 +661,70 @@ class PPOTrainer(TRLPPOTrainer):
             saved_state = restored.stateful_callbacks.get(cb.__class__.__name__)
             if isinstance(cb, ExportableState) and isinstance(saved_state, dict) and hasattr(cb, "load_state"):
                 cb.load_state(saved_state)
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+    def _sample(self, queries, query_mask, seed: int, reference: bool):
+        """Responses of the policy (or the reference) drawn with their own RNG stream `seed`: the training RNG is
+        untouched, and policy and reference share random numbers (a paired comparison: identical models give
+        identical completions)."""
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            if reference and self.ref_model is not None:
+                model, context = self.ref_model, nullcontext()
+            else:
+                model, context = self.unwrapped.policy, self.null_ref_context() if reference else nullcontext()
+            with context:
+                responses = generate_responses(model, queries, query_mask, self.generation_config,
+                                               self.processing_class.pad_token_id,
+                                               self.args.local_rollout_forward_batch_size)
+        response_mask = response_mask_from_stop(responses, self.stop_token_id)
+        return responses.masked_fill(~response_mask, self.processing_class.pad_token_id), response_mask
+
+    @torch.no_grad()
+    def evaluate_policy(self) -> dict[str, float]:
+        """Held-out evaluation on `eval_dataset`: completions of the policy and of the reference for each prompt,
+        scored by the training reward and, if given, by `eval_reward` (a gold scorer the policy never trains on).
+
+        eval/score, eval/score_ref: mean scores; eval/win_rate_vs_ref: share of prompts where the policy's completion
+        scores higher than the reference's (ties count half); eval/kl: mean per-sequence KL(π‖π_ref) (k1) of the
+        policy's completions; eval/gold_* the same with `eval_reward`."""
+        args, tok = self.args, self.processing_class
+        device = self.accelerator.device
+        rows = []
+        for i, batch in enumerate(self.eval_dataloader):
+            queries, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device).bool()
+            seed = args.seed + 100003 * self.accelerator.process_index + 7919 * self.state.global_step + i
+            responses, response_mask = self._sample(queries, query_mask, seed, reference=False)
+            ref_responses, ref_mask = self._sample(queries, query_mask, seed, reference=True)
+            inputs = sequence_inputs(queries, query_mask, responses, response_mask)
+            Q = queries.shape[1]
+            with self.accelerator.autocast():
+                logprobs = logprobs_from_logits(response_logits(self.unwrapped.policy, inputs, Q, args.temperature)
+                                                .float(), responses)
+                if self.ref_model is None:
+                    with self.null_ref_context():
+                        ref_logits = response_logits(self.unwrapped.policy, inputs, Q, args.temperature)
+                else:
+                    ref_logits = response_logits(self.ref_model, inputs, Q, args.temperature)
+                ref_logprobs = logprobs_from_logits(ref_logits.float(), responses)
+                kl = ((logprobs - ref_logprobs) * response_mask).sum(1)
+                columns = [kl]
+                for scorer in [self.reward_model] + ([self.eval_reward] if self.eval_reward is not None else []):
+                    columns.append(score_responses(scorer, tok, queries, query_mask, responses, response_mask))
+                    columns.append(score_responses(scorer, tok, queries, query_mask, ref_responses, ref_mask))
+            rows.append(torch.stack([c.float().to(device) for c in columns], 1))
+        table = self.accelerator.gather(torch.cat(rows))  # (prompts, 3 or 5)
+
+        def win_rate(policy, reference):
+            return ((policy > reference).float() + 0.5 * (policy == reference).float()).mean().item()
+
+        out = {"eval/kl": table[:, 0].mean().item(), "eval/score": table[:, 1].mean().item(),
+               "eval/score_ref": table[:, 2].mean().item(), "eval/win_rate_vs_ref": win_rate(table[:, 1], table[:, 2])}
+        if self.eval_reward is not None:
+            out.update({"eval/gold_score": table[:, 3].mean().item(), "eval/gold_score_ref": table[:, 4].mean().item(),
+                        "eval/gold_win_rate_vs_ref": win_rate(table[:, 3], table[:, 4])})
+        return out
 
     # ------------------------------------------------------------------------------------------------ samples
     @torch.no_grad()
