@@ -261,10 +261,15 @@ def test_statistics_average_over_real_tokens_only(tmp_path):
 
 # --- prompts ------------------------------------------------------------------------------------------------------
 def test_right_padded_prompts_are_an_error(tmp_path):
+    """A collator that pads prompts on the right would make PPO generate after padding: a clear error, not a run.
+    (trl_ext's own collator always pads on the left, whatever the tokenizer's padding side.)"""
+    from transformers import DataCollatorWithPadding
+
     tok = tiny_tokenizer(padding_side="right")
     policy, value, reward, ds = build(tok)
     with pytest.raises(ValueError, match="left"):
-        run(trainer(config(tmp_path), tok, policy, reward, value, train_dataset=ds))
+        run(trainer(config(tmp_path), tok, policy, reward, value, train_dataset=ds,
+                    data_collator=DataCollatorWithPadding(tok)))
 
 
 # --- LoRA and saving under more than one process ------------------------------------------------------------------

@@ -59,6 +59,14 @@ class PPOConfig(TRLPPOConfig):
             the value model (`value_model_init` = `"reward_model"` or `"policy"`), `"keep"` for a given one.
         critic_learning_rate (`float`, *optional*):
             Learning rate of the value model. Unset: `learning_rate`.
+        reward_weights (`list[float]`, *optional*):
+            Weights of the rewards when `reward_model` is a list; the score is the weighted sum (default: all 1.0).
+        reward_norm (`str`, defaults to `"none"`), reward_norm_mean, reward_norm_std, reward_clip:
+            Score conditioning before the missing-stop-token penalty: `"running"` normalises with the running mean and
+            std of all scores so far, `"fixed"` with the given mean and std; then clip to ±`reward_clip`.
+        max_prompt_length (`int`, *optional*):
+            Prompts longer than this many tokens are cut from the left (`prompt_truncation="left"`) or dropped
+            (`"drop"`); the counts are logged as `data/prompts_truncated` and `data/prompts_dropped`.
         alarms (`bool`, defaults to `True`):
             Watch the logged metrics for PPO's failure modes (KL blow-up, generator/trainer mismatch, value lag,
             entropy collapse, length exploitation, reward hacking) and warn once per episode of trouble.
@@ -114,6 +122,31 @@ class PPOConfig(TRLPPOConfig):
     critic_learning_rate: float | None = field(
         default=None,
         metadata={"help": "Learning rate of the value model. Unset: learning_rate."},
+    )
+    reward_weights: list[float] | None = field(
+        default=None,
+        metadata={"help": "Weights of the rewards when reward_model is a list (default: all 1.0); the score is the "
+                  "weighted sum."},
+    )
+    reward_norm: str = field(
+        default="none",
+        metadata={"help": "Score normalisation: 'none', 'running' (running mean/std of all scores so far) or 'fixed' "
+                  "((score - reward_norm_mean) / reward_norm_std)."},
+    )
+    reward_norm_mean: float = field(default=0.0, metadata={"help": "Mean for reward_norm='fixed'."})
+    reward_norm_std: float = field(default=1.0, metadata={"help": "Std for reward_norm='fixed'."})
+    reward_clip: float | None = field(
+        default=None,
+        metadata={"help": "Clip the (normalised) score to [-reward_clip, reward_clip]. None: no clipping."},
+    )
+    max_prompt_length: int | None = field(
+        default=None,
+        metadata={"help": "Prompts longer than this many tokens are cut from the left or dropped (prompt_truncation). "
+                  "None: no limit."},
+    )
+    prompt_truncation: str = field(
+        default="left",
+        metadata={"help": "'left': keep the last max_prompt_length tokens; 'drop': drop the prompt. Counts are logged."},
     )
     alarms: bool = field(
         default=True,
@@ -183,5 +216,18 @@ class PPOConfig(TRLPPOConfig):
             from .alarms import AlarmThresholds
 
             AlarmThresholds.from_dict(self.alarm_thresholds)  # unknown names and bad values: a clear ValueError
+        check(self.reward_norm in ("none", "running", "fixed"),
+              f"reward_norm={self.reward_norm!r} is not one of ('none', 'running', 'fixed').")
+        check(math.isfinite(self.reward_norm_std) and self.reward_norm_std > 0,
+              f"reward_norm_std={self.reward_norm_std} must be a positive number.")
+        check(math.isfinite(self.reward_norm_mean), f"reward_norm_mean={self.reward_norm_mean} must be finite.")
+        check(self.reward_clip is None or self.reward_clip > 0,
+              f"reward_clip={self.reward_clip} must be > 0, or None for no clipping.")
+        check(self.reward_weights is None or all(math.isfinite(float(w)) for w in self.reward_weights),
+              f"reward_weights={self.reward_weights} must be finite numbers, one per reward.")
+        check(self.max_prompt_length is None or self.max_prompt_length >= 1,
+              f"max_prompt_length={self.max_prompt_length} must be >= 1, or None for no limit.")
+        check(self.prompt_truncation in ("left", "drop"),
+              f"prompt_truncation={self.prompt_truncation!r} is not one of ('left', 'drop').")
         check(self.total_episodes is None or self.total_episodes >= 1,
               f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size).")

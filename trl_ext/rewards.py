@@ -1,23 +1,46 @@
-"""Rewards behind one interface: a TRL sequence-classification reward model, or a plain Python function
-`(prompts: list[str], completions: list[str]) -> list[float]`.
+"""Rewards behind one interface.
 
-`score_responses` returns the (B,) scalar score of each query+response. A reward model reads its output at the last
-real token (found from the attention mask, positionally), so with pad == EOS it still reads the EOS token, never the
-token before it.
+`RewardScorer` scores query+response batches with any mix of
+
+(a) a sequence-classification reward model that shares the policy's tokenizer: it reads the policy's token ids
+    directly and its score is read at the last real token (found from the attention mask, positionally), so with
+    pad == EOS it still reads the EOS token, never the token before it;
+(b) a sequence-classification reward model with its OWN tokenizer (`reward_tokenizers`, or a `(model, tokenizer)`
+    tuple): the text is decoded from the policy's tokens, re-rendered and re-tokenized for it (see `RewardScorer`);
+(c) a Python function `(prompts: list[str], completions: list[str], **columns) -> list[float]`;
+(d) a list of these, combined as Σ w_i·s_i with `reward_weights`.
+
+`RewardNormalizer` normalises the combined score ("none", "fixed" or "running" mean/std, optional clip). The trainer
+normalises the score BEFORE it applies `missing_eos_penalty`, so the penalty keeps its configured size in normalised
+units and is never scaled or clipped away.
+
+`score_responses` (one reward, policy tokenizer only) is the older entry point; the trainer still uses it.
 """
 
 from __future__ import annotations
 
+import inspect
 import math
-from collections.abc import Callable
+import numbers
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Optional
 
 import torch
 import torch.nn as nn
 
 from .core import last_true_index
-from .models import scalar_head_outputs, sequence_inputs
+from .models import position_ids_from_mask, scalar_head_outputs, sequence_inputs
 
-RewardFunction = Callable[[list[str], list[str]], list[float]]
+RewardFunction = Callable[..., list[float]]
+
+__all__ = [
+    "RewardFunction",
+    "RewardNormalizer",
+    "RewardScorer",
+    "check_reward_function_output",
+    "is_reward_function",
+    "score_responses",
+]
 
 
 def is_reward_function(reward) -> bool:
@@ -26,10 +49,24 @@ def is_reward_function(reward) -> bool:
 
 
 def check_reward_function_output(values, n: int, name: str = "reward function") -> torch.Tensor:
-    """Validate what a reward function returned: a list of n finite numbers."""
+    """Validate what a reward function returned: a list of n finite numbers. -> (n,) float32 tensor."""
+    if isinstance(values, torch.Tensor):
+        values = values.detach().cpu().reshape(-1).tolist()
+    if isinstance(values, (str, bytes, Mapping)):
+        raise ValueError(f"The {name} must return a list of floats, one per completion; got {values!r}.")
+    try:
+        values = list(values)
+    except TypeError as e:
+        raise ValueError(f"The {name} must return a list of floats, one per completion; got {values!r}.") from e
+    bad_type = [(i, v) for i, v in enumerate(values)
+                if isinstance(v, (str, bytes)) or v is None
+                or not isinstance(v, (numbers.Real, torch.Tensor)) and not hasattr(v, "__float__")]
+    if bad_type:
+        raise ValueError(f"The {name} must return a list of floats, one per completion; got non-numbers "
+                         f"{bad_type[:5]} (index, value).")
     try:
         values = [float(v) for v in values]
-    except (TypeError, ValueError) as e:
+    except (TypeError, ValueError, RuntimeError) as e:
         raise ValueError(f"The {name} must return a list of floats, one per completion; got {values!r}.") from e
     if len(values) != n:
         raise ValueError(f"The {name} returned {len(values)} scores for {n} completions; return exactly one score "
@@ -53,3 +90,499 @@ def score_responses(reward, tokenizer, queries, query_mask, responses, response_
     per_position = scalar_head_outputs(reward, inputs)  # (B, Q+T)
     last = last_true_index(inputs["attention_mask"].bool())  # (B,) the last real token of query+response
     return per_position.gather(1, last[:, None]).squeeze(1).float()
+
+
+# ---------------------------------------------------------------------------------------------------- RewardScorer
+
+def _is_tokenizer(obj) -> bool:
+    """A Hugging Face tokenizer (or anything that decodes and tokenizes like one)."""
+    return callable(obj) and hasattr(obj, "batch_decode") and hasattr(obj, "convert_tokens_to_ids")
+
+
+def _has_score_head(model: nn.Module) -> bool:
+    """TRL's reward/value model layout: a backbone under `base_model_prefix` and a `score` head."""
+    prefix = getattr(model, "base_model_prefix", None)
+    return bool(prefix) and hasattr(model, prefix) and hasattr(model, "score")
+
+
+def _model_device(model: nn.Module) -> torch.device:
+    for p in model.parameters():
+        return p.device
+    for b in model.buffers():
+        return b.device
+    return torch.device("cpu")
+
+
+class _Source:
+    """One reward: kind "function", "model" (shares the policy tokenizer) or "text_model" (its own tokenizer)."""
+
+    def __init__(self, kind: str, obj, tokenizer=None):
+        self.kind, self.obj, self.tokenizer = kind, obj, tokenizer
+        self.name = ""
+        # functions: which extra columns they take
+        self.accepts_var_kwargs = False
+        self.keyword_params: set[str] = set()
+        self.required_keywords: set[str] = set()
+        self.positional_names: tuple[str, ...] = ()
+
+
+def _inspect_function(src: _Source) -> None:
+    """Read a reward function's signature: prompts and completions go positionally, extra columns by keyword —
+    only those it names, or all of them if it takes **kwargs (TRL GRPO's convention)."""
+    try:
+        sig = inspect.signature(src.obj)
+    except (TypeError, ValueError):  # builtins without a signature: prompts and completions only
+        return
+    try:
+        sig.bind_partial(None, None)
+    except TypeError as e:
+        raise TypeError(f"reward function {src.name!r} must take (prompts, completions, ...) as its first two "
+                        f"positional arguments; its signature is {sig}.") from e
+    params = list(sig.parameters.values())
+    positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
+    src.positional_names = tuple(p.name for p in positional[:2])
+    bound_positionally = set(src.positional_names)
+    for p in params:
+        if p.kind == p.VAR_KEYWORD:
+            src.accepts_var_kwargs = True
+        elif p.kind in (p.POSITIONAL_OR_KEYWORD, p.KEYWORD_ONLY) and p.name not in bound_positionally:
+            src.keyword_params.add(p.name)
+            if p.default is p.empty:
+                src.required_keywords.add(p.name)
+
+
+class RewardScorer:
+    """Scores query+response batches with one reward or a weighted sum of several.
+
+    Args:
+        reward_model: one reward, or a list of them. A reward is
+            - a sequence-classification `nn.Module` in TRL's layout (backbone under `base_model_prefix`, a 1-output
+              `score` head). With no tokenizer of its own it reads the policy's token ids and is read at the last
+              real token (positionally, from the attention mask; see `score_responses`).
+            - such a model with its own tokenizer: a `(model, tokenizer)` tuple, or an entry in `reward_tokenizers`.
+              Its text is decoded from the policy's tokens: the prompt's real tokens and the completion cut after
+              the stop token, both without special tokens. If the reward tokenizer has a `chat_template`, the text
+              is `apply_chat_template([{"role": "user", "content": prompt}, {"role": "assistant",
+              "content": completion}], tokenize=False)`, tokenized with `add_special_tokens=False` (the template
+              renders them); otherwise it is the prompt and completion tokens decoded together (prompt + completion,
+              spacing at the seam kept), tokenized with `add_special_tokens=True`. The batch is padded on the reward
+              tokenizer's padding side (right-padded by hand if it has no pad token), sent to the model's device,
+              and each row's score is read at its last real token, found positionally from the attention mask
+              (position ids come from the mask too, so left padding is safe). A model with its own tokenizer but
+              no `score` head (an encoder such as DeBERTa/BERT, which pools its own way) is called as
+              `model(input_ids=..., attention_mask=...).logits[:, 0]`.
+              Keep it simple: the prompt is decoded as plain text. A prompt the policy's own chat template already
+              rendered arrives with its role markers as text (their special tokens dropped), inside the user turn.
+            - a Python callable `(prompts: list[str], completions: list[str], **columns) -> list[float]`.
+              `prompts`/`completions` are decoded as above and passed positionally. Extra dataset columns
+              (`extra_columns` at call time) are passed by keyword: only the ones its signature names, or all of
+              them if it takes `**kwargs`.
+        policy_tokenizer: the policy's tokenizer (decodes the policy's tokens).
+        reward_weights: one float per reward (default all 1.0); the combined score is Σ w_i·s_i.
+        reward_tokenizers: the reward models' own tokenizers: a dict {name: tokenizer} (names as in `names`) or a
+            list aligned with `reward_model`; a None entry means "shares the policy tokenizer".
+
+    Each reward has a name (`names`): a function's `__name__`, a model's `config._name_or_path` or else its class
+    name, made unique with suffixes `_2`, `_3`, ...
+
+    Calling the scorer returns `(combined, per_source)`: the (B,) float32 combined score and {name: (B,) float32 raw,
+    unweighted score}, all on the queries' device. A reward function that raises is a `RuntimeError` naming it;
+    a wrong number of scores, a non-number or a non-finite score (from a function or a model) is a `ValueError`
+    naming the reward. Nothing is ever silently scored zero.
+    """
+
+    def __init__(self, reward_model, policy_tokenizer, reward_weights=None, reward_tokenizers=None):
+        if policy_tokenizer is None:
+            raise ValueError("RewardScorer needs the policy's tokenizer (`policy_tokenizer`) to decode responses.")
+        self.policy_tokenizer = policy_tokenizer
+        rewards = self._as_list(reward_model)
+        if not rewards:
+            raise ValueError("RewardScorer needs at least one reward (`reward_model`).")
+
+        sources: list[_Source] = []
+        tuple_tokenizers: list[Any] = []
+        for i, reward in enumerate(rewards):
+            tokenizer = None
+            if isinstance(reward, tuple):
+                if len(reward) != 2 or not isinstance(reward[0], nn.Module) or not _is_tokenizer(reward[1]):
+                    raise TypeError(f"reward {i} is a tuple; a tuple reward must be (model, tokenizer), got "
+                                    f"{tuple(type(x).__name__ for x in reward)}.")
+                reward, tokenizer = reward
+            if isinstance(reward, nn.Module):
+                sources.append(_Source("model", reward))
+            elif _is_tokenizer(reward):
+                raise TypeError(f"reward {i} is a tokenizer ({type(reward).__name__}), not a reward; pass a model's "
+                                "own tokenizer as (model, tokenizer) or in `reward_tokenizers`.")
+            elif callable(reward):
+                sources.append(_Source("function", reward))
+            else:
+                raise TypeError(f"reward {i} ({type(reward).__name__}) is neither a reward model (torch nn.Module) "
+                                "nor a callable reward function (prompts, completions, **columns) -> list[float].")
+            tuple_tokenizers.append(tokenizer)
+
+        self._sources = sources
+        self._assign_names()
+        self._assign_tokenizers(tuple_tokenizers, reward_tokenizers)
+        self.weights = self._check_weights(reward_weights, len(sources))
+
+        for src in sources:
+            if src.kind == "function":
+                _inspect_function(src)
+            elif src.kind == "model" and not _has_score_head(src.obj):
+                raise TypeError(f"reward model {src.name!r} ({type(src.obj).__name__}) has no `score` head under "
+                                "TRL's layout (a backbone under `base_model_prefix` plus `score`), so it cannot be "
+                                "read at the last real token of the policy's ids. Pass a sequence-classification "
+                                "model, or give it its own tokenizer to score it through text.")
+
+    # ----------------------------------------------------------------------------------------------- construction
+    @staticmethod
+    def _as_list(reward_model) -> list:
+        if isinstance(reward_model, tuple) and len(reward_model) == 2 and isinstance(reward_model[0], nn.Module) \
+                and _is_tokenizer(reward_model[1]):
+            return [reward_model]  # one (model, tokenizer) reward
+        if isinstance(reward_model, (list, tuple)):
+            return list(reward_model)
+        return [reward_model]
+
+    def _assign_names(self) -> None:
+        seen: set[str] = set()
+        for src in self._sources:
+            if src.kind == "function":
+                base = getattr(src.obj, "__name__", None) or type(src.obj).__name__
+            else:
+                base = getattr(getattr(src.obj, "config", None), "_name_or_path", None) or type(src.obj).__name__
+            base = str(base)
+            name, k = base, 1
+            while name in seen:
+                k += 1
+                name = f"{base}_{k}"
+            seen.add(name)
+            src.name = name
+
+    def _assign_tokenizers(self, tuple_tokenizers: list, reward_tokenizers) -> None:
+        n = len(self._sources)
+        if reward_tokenizers is None:
+            given = [None] * n
+        elif isinstance(reward_tokenizers, Mapping):
+            unknown = sorted(set(reward_tokenizers) - set(self.names))
+            if unknown:
+                raise ValueError(f"reward_tokenizers names {unknown} match no reward; the rewards are {self.names}.")
+            given = [reward_tokenizers.get(name) for name in self.names]
+        elif isinstance(reward_tokenizers, (list, tuple)):
+            if len(reward_tokenizers) != n:
+                raise ValueError(f"reward_tokenizers has {len(reward_tokenizers)} entries for {n} rewards; give one "
+                                 "per reward (None: shares the policy tokenizer), or a dict {name: tokenizer}.")
+            given = list(reward_tokenizers)
+        else:
+            raise TypeError("reward_tokenizers must be a dict {name: tokenizer} or a list aligned with reward_model, "
+                            f"got {type(reward_tokenizers).__name__}.")
+        for src, from_tuple, from_arg in zip(self._sources, tuple_tokenizers, given):
+            if from_tuple is not None and from_arg is not None and from_arg is not from_tuple:
+                raise ValueError(f"reward {src.name!r} got two tokenizers: one in its (model, tokenizer) tuple and "
+                                 "one in reward_tokenizers; give one.")
+            tokenizer = from_tuple if from_tuple is not None else from_arg
+            if tokenizer is None:
+                continue
+            if src.kind == "function":
+                raise ValueError(f"reward {src.name!r} is a function; only reward models take a tokenizer.")
+            if not _is_tokenizer(tokenizer):
+                raise TypeError(f"the tokenizer given for reward {src.name!r} is a {type(tokenizer).__name__}, "
+                                "not a tokenizer.")
+            if tokenizer is not self.policy_tokenizer:  # the policy's own tokenizer: score the ids directly
+                src.kind, src.tokenizer = "text_model", tokenizer
+
+    @staticmethod
+    def _check_weights(reward_weights, n: int) -> list[float]:
+        if reward_weights is None:
+            return [1.0] * n
+        if isinstance(reward_weights, torch.Tensor):
+            reward_weights = reward_weights.reshape(-1).tolist()
+        elif hasattr(reward_weights, "tolist") and not isinstance(reward_weights, (list, tuple)):  # numpy
+            reward_weights = reward_weights.tolist()
+        if isinstance(reward_weights, (str, bytes)) or not isinstance(reward_weights, Sequence):
+            raise ValueError(f"reward_weights must be a list of floats, one per reward; got {reward_weights!r}.")
+        if len(reward_weights) != n:
+            raise ValueError(f"reward_weights has {len(reward_weights)} entries for {n} rewards; give one weight per "
+                             "reward, in the same order.")
+        weights = []
+        for i, w in enumerate(reward_weights):
+            if isinstance(w, (bool, str, bytes)) or not isinstance(w, numbers.Real):
+                raise ValueError(f"reward_weights[{i}] = {w!r} is not a number.")
+            if not math.isfinite(float(w)):
+                raise ValueError(f"reward_weights[{i}] = {w!r} is not finite.")
+            weights.append(float(w))
+        return weights
+
+    # --------------------------------------------------------------------------------------------- introspection
+    @property
+    def names(self) -> list[str]:
+        """The rewards' unique names, in order (the keys of `per_source`)."""
+        return [src.name for src in self._sources]
+
+    @property
+    def models(self) -> dict[str, nn.Module]:
+        """{name: module} of the reward models (to move them to a device, prepare them, set eval mode)."""
+        return {src.name: src.obj for src in self._sources if src.kind != "function"}
+
+    def replace_model(self, name: str, module: nn.Module) -> None:
+        """Swap a reward model for its prepared/wrapped version (e.g. after `prepare_deepspeed`)."""
+        for src in self._sources:
+            if src.name == name and src.kind != "function":
+                src.obj = module
+                return
+        raise KeyError(f"no reward model named {name!r}; the reward models are {list(self.models)}.")
+
+    # ------------------------------------------------------------------------------------------------- scoring
+    @torch.no_grad()
+    def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
+                 response_mask: torch.Tensor, extra_columns: Optional[dict[str, list]] = None,
+                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+        """Score a batch: (B, Q) left-padded queries and bool mask, (B, T) responses and bool mask (True up to and
+        including the stop token). `extra_columns`: {column: list of B values} for reward functions.
+
+        Returns (combined (B,) float32, {name: (B,) float32 raw score}), on the queries' device."""
+        query_mask, response_mask = query_mask.bool(), response_mask.bool()
+        B = queries.shape[0]
+        extra_columns = self._check_columns(extra_columns, B)
+        device = queries.device
+        text_cache: dict[str, Any] = {}
+
+        per_source: dict[str, torch.Tensor] = {}
+        for src in self._sources:
+            if src.kind == "function":
+                prompts, completions = self._texts(text_cache, queries, query_mask, responses, response_mask)
+                scores = self._call_function(src, prompts, completions, extra_columns, B)
+            elif src.kind == "model":
+                inputs = sequence_inputs(queries, query_mask, responses, response_mask)
+                scores = self._read_last_token(src.obj, inputs)
+            else:
+                scores = self._score_text_model(src, text_cache, queries, query_mask, responses, response_mask)
+            scores = scores.float().to(device)
+            if src.kind != "function":
+                self._check_model_scores(src, scores, B)
+            per_source[src.name] = scores
+
+        combined = torch.zeros(B, dtype=torch.float32, device=device)
+        for w, src in zip(self.weights, self._sources):
+            combined = combined + w * per_source[src.name]
+        return combined, per_source
+
+    @staticmethod
+    def _check_columns(extra_columns, B: int) -> dict[str, list]:
+        if extra_columns is None:
+            return {}
+        if not isinstance(extra_columns, Mapping):
+            raise TypeError(f"extra_columns must be a dict {{column: list}}, got {type(extra_columns).__name__}.")
+        for key, column in extra_columns.items():
+            if isinstance(column, (str, bytes)) or not hasattr(column, "__len__"):
+                raise ValueError(f"extra column {key!r} must be a list with one value per completion, got "
+                                 f"{type(column).__name__}.")
+            if len(column) != B:
+                raise ValueError(f"extra column {key!r} has {len(column)} values for a batch of {B}.")
+        return dict(extra_columns)
+
+    def _texts(self, cache, queries, query_mask, responses, response_mask):
+        """(prompts, completions) decoded from the policy's tokens: no padding, no special tokens, completion cut
+        after the stop token."""
+        if "texts" not in cache:
+            tok = self.policy_tokenizer
+            prompts = tok.batch_decode([q[m] for q, m in zip(queries, query_mask)], skip_special_tokens=True)
+            completions = tok.batch_decode([r[m] for r, m in zip(responses, response_mask)],
+                                           skip_special_tokens=True)
+            cache["texts"] = (prompts, completions)
+        return cache["texts"]
+
+    def _joined_texts(self, cache, queries, query_mask, responses, response_mask) -> list[str]:
+        """Prompt and completion tokens decoded together: prompt + completion with the seam's spacing kept (decoding
+        them apart drops a leading space with SentencePiece and word-level tokenizers)."""
+        if "joined" not in cache:
+            cache["joined"] = self.policy_tokenizer.batch_decode(
+                [torch.cat([q[qm], r[rm]]) for q, qm, r, rm in zip(queries, query_mask, responses, response_mask)],
+                skip_special_tokens=True)
+        return cache["joined"]
+
+    def _call_function(self, src: _Source, prompts, completions, extra_columns, B: int) -> torch.Tensor:
+        if src.accepts_var_kwargs:
+            clash = [k for k in extra_columns if k in src.positional_names]
+            if clash:
+                raise ValueError(f"extra columns {clash} have the names of reward function {src.name!r}'s "
+                                 "prompts/completions parameters; rename the columns.")
+            kwargs = dict(extra_columns)
+        else:
+            kwargs = {k: v for k, v in extra_columns.items() if k in src.keyword_params}
+        missing = sorted(src.required_keywords - set(kwargs))
+        if missing:
+            raise ValueError(f"reward function {src.name!r} needs the column(s) {missing}, but extra_columns has "
+                             f"{sorted(extra_columns)}; keep those columns in the dataset.")
+        try:
+            values = src.obj(list(prompts), list(completions), **kwargs)
+        except Exception as e:  # noqa: BLE001 — re-raised with the function's name, never scored as zero
+            raise RuntimeError(f"reward function {src.name!r} failed: {e}") from e
+        return check_reward_function_output(values, B, name=f"reward function {src.name!r}")
+
+    @staticmethod
+    def _read_last_token(model: nn.Module, inputs: dict) -> torch.Tensor:
+        """(B,) the scalar head's output at each row's last real token (positionally, from the attention mask)."""
+        device = _model_device(model)
+        inputs = {k: v.to(device) for k, v in inputs.items()}
+        per_position = scalar_head_outputs(model, inputs)  # (B, L)
+        last = last_true_index(inputs["attention_mask"].bool())
+        return per_position.gather(1, last[:, None]).squeeze(1)
+
+    def _score_text_model(self, src: _Source, cache, queries, query_mask, responses, response_mask):
+        tok = src.tokenizer
+        if getattr(tok, "chat_template", None):
+            prompts, completions = self._texts(cache, queries, query_mask, responses, response_mask)
+            texts = [tok.apply_chat_template([{"role": "user", "content": p}, {"role": "assistant", "content": c}],
+                                             tokenize=False) for p, c in zip(prompts, completions)]
+            add_special_tokens = False  # the template renders them
+        else:
+            texts = self._joined_texts(cache, queries, query_mask, responses, response_mask)
+            add_special_tokens = True
+        input_ids, attention_mask = self._tokenize(tok, texts, add_special_tokens)
+        model = src.obj
+        if not _has_score_head(model):  # an encoder classifier (DeBERTa, BERT, ...): it pools its own way
+            device = _model_device(model)
+            logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
+            return logits[:, 0]
+        inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
+                  "position_ids": position_ids_from_mask(attention_mask)}
+        return self._read_last_token(model, inputs)
+
+    @staticmethod
+    def _tokenize(tok, texts: list[str], add_special_tokens: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """(B, L) ids and attention mask; padded on the tokenizer's side, or right-padded by hand if it has no pad
+        token (the pad id is then irrelevant: it is masked and never read)."""
+        if getattr(tok, "pad_token_id", None) is not None:
+            enc = tok(texts, padding=True, return_tensors="pt", add_special_tokens=add_special_tokens)
+            input_ids, attention_mask = enc["input_ids"], enc["attention_mask"]
+        else:
+            rows = tok(texts, add_special_tokens=add_special_tokens)["input_ids"]
+            L = max(len(r) for r in rows)
+            input_ids = torch.zeros(len(rows), L, dtype=torch.long)
+            attention_mask = torch.zeros(len(rows), L, dtype=torch.long)
+            for i, r in enumerate(rows):
+                input_ids[i, : len(r)] = torch.tensor(r, dtype=torch.long)
+                attention_mask[i, : len(r)] = 1
+        empty = (attention_mask.sum(1) == 0).nonzero().flatten().tolist()
+        if empty:
+            raise ValueError(f"rows {empty} tokenize to no tokens for the reward model's tokenizer; nothing to score.")
+        return input_ids, attention_mask
+
+    @staticmethod
+    def _check_model_scores(src: _Source, scores: torch.Tensor, B: int) -> None:
+        if scores.shape != (B,):
+            raise ValueError(f"reward model {src.name!r} gave scores of shape {tuple(scores.shape)} for a batch of "
+                             f"{B}; it needs a 1-output head.")
+        bad = (~torch.isfinite(scores)).nonzero().flatten().tolist()
+        if bad:
+            raise ValueError(f"reward model {src.name!r} gave non-finite scores at rows {bad[:5]} "
+                             f"({scores[bad[:5]].tolist()}); check its precision (fp16 overflow) and inputs.")
+
+
+# ------------------------------------------------------------------------------------------------ RewardNormalizer
+
+_STD_FLOOR = 1e-8  # divide by max(std, this), so a batch of identical scores gives 0, not NaN
+NORMALIZER_MODES = ("none", "running", "fixed")
+
+
+class RewardNormalizer:
+    """Normalise (B,) scores: "none" (identity), "fixed" ((s − mean) / std with the given mean/std) or "running"
+    ((s − μ) / σ with the mean μ and SAMPLE standard deviation σ (n − 1 in the denominator, as `torch.std`) of every
+    score seen so far, this batch included; σ = 1 while fewer than 2 scores have been seen). Then, in every mode,
+    `clip` (if not None) clamps the result to [−clip, clip]. σ is floored at 1e-8.
+
+    The running statistics are updated with Chan et al.'s parallel (Welford) merge in float64. Under several
+    processes, call `update()` with the gathered scores and `normalize()` on the local ones, so every rank uses the
+    same statistics; `__call__` is `update` then `normalize` on the same scores.
+
+    The trainer normalises the score before it subtracts `missing_eos_penalty`: the penalty is applied afterwards,
+    in normalised units, never scaled by σ or clipped.
+
+    `state_dict()` / `load_state_dict()` carry the running statistics (JSON-able), so a resumed run continues them;
+    the settings (mode, mean, std, clip) come from the constructor.
+    """
+
+    def __init__(self, mode: str = "none", mean: float = 0.0, std: float = 1.0, clip: Optional[float] = None):
+        if mode not in NORMALIZER_MODES:
+            raise ValueError(f"RewardNormalizer mode must be one of {NORMALIZER_MODES}, got {mode!r}.")
+        for label, v in (("mean", mean), ("std", std)):
+            if isinstance(v, bool) or not isinstance(v, numbers.Real) or not math.isfinite(float(v)):
+                raise ValueError(f"RewardNormalizer {label} must be a finite number, got {v!r}.")
+        if std <= 0:
+            raise ValueError(f"RewardNormalizer std must be > 0, got {std!r}.")
+        if clip is not None:
+            if isinstance(clip, bool) or not isinstance(clip, numbers.Real) or not float(clip) > 0 \
+                    or math.isnan(float(clip)):
+                raise ValueError(f"RewardNormalizer clip must be None or a number > 0, got {clip!r}.")
+        self.mode, self.mean, self.std = mode, float(mean), float(std)
+        self.clip = None if clip is None else float(clip)
+        self.count = 0
+        self.running_mean = 0.0
+        self.m2 = 0.0  # sum of squared deviations from the running mean
+
+    @property
+    def running_std(self) -> float:
+        """Sample std of every score seen so far (1.0 with fewer than 2)."""
+        if self.count < 2:
+            return 1.0
+        return math.sqrt(self.m2 / (self.count - 1))
+
+    def update(self, scores: torch.Tensor) -> None:
+        """Merge a batch into the running statistics (only in "running" mode)."""
+        if self.mode != "running":
+            return
+        x = self._check(scores).detach().double().reshape(-1).cpu()
+        n = x.numel()
+        if n == 0:
+            return
+        b_mean = float(x.mean())
+        b_m2 = float(((x - b_mean) ** 2).sum())
+        total = self.count + n
+        delta = b_mean - self.running_mean
+        self.running_mean += delta * n / total
+        self.m2 += b_m2 + delta * delta * self.count * n / total
+        self.count = total
+
+    def normalize(self, scores: torch.Tensor) -> torch.Tensor:
+        """Normalise with the current statistics, without updating them."""
+        scores = self._check(scores)
+        if self.mode == "fixed":
+            out = (scores - self.mean) / self.std
+        elif self.mode == "running":
+            out = (scores - self.running_mean) / max(self.running_std, _STD_FLOOR)
+        else:
+            out = scores
+        if self.clip is not None:
+            out = out.clamp(-self.clip, self.clip)
+        return out
+
+    def __call__(self, scores: torch.Tensor) -> torch.Tensor:
+        """(B,) -> (B,): update the running statistics with these scores (mode "running"), then normalise them."""
+        self.update(scores)
+        return self.normalize(scores)
+
+    @staticmethod
+    def _check(scores: torch.Tensor) -> torch.Tensor:
+        if not isinstance(scores, torch.Tensor):
+            scores = torch.as_tensor(scores, dtype=torch.float32)
+        if scores.dim() != 1:
+            raise ValueError(f"RewardNormalizer takes (B,) scores, got shape {tuple(scores.shape)}.")
+        if not torch.isfinite(scores).all():
+            raise ValueError(f"RewardNormalizer got non-finite scores {scores.tolist()[:5]}...; they would poison "
+                             "the running statistics.")
+        return scores
+
+    def state_dict(self) -> dict:
+        return {"mode": self.mode, "mean": self.mean, "std": self.std, "clip": self.clip,
+                "count": int(self.count), "running_mean": float(self.running_mean), "m2": float(self.m2)}
+
+    def load_state_dict(self, state: dict) -> None:
+        """Restore the running statistics (count, running_mean, m2); settings stay as constructed."""
+        try:
+            count, mean, m2 = int(state["count"]), float(state["running_mean"]), float(state["m2"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise ValueError(f"not a RewardNormalizer state: {state!r}") from e
+        if count < 0 or m2 < 0 or not math.isfinite(mean) or not math.isfinite(m2):
+            raise ValueError(f"corrupt RewardNormalizer state: {state!r}")
+        self.count, self.running_mean, self.m2 = count, mean, m2

@@ -24,13 +24,16 @@ class Rollout:
     rewards: torch.Tensor  # (B, T) −β·kl on every real token + score on the last real token
     advantages: torch.Tensor  # (B, T) GAE advantages, whitened over real tokens (what the loss uses)
     returns: torch.Tensor  # (B, T) raw GAE advantages + values (the value target)
+    source_scores: torch.Tensor | None = None  # (B, S) raw score of each reward source (PPOTrainer.reward_scorer.names)
 
     def __len__(self) -> int:
         return self.queries.shape[0]
 
     def __getitem__(self, idx) -> "Rollout":
         """Select rollouts (rows) by index tensor or slice: a minibatch."""
-        return Rollout(**{f.name: getattr(self, f.name)[idx] for f in fields(self)})
+        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                          for f in fields(self)})
 
     def to(self, device) -> "Rollout":
-        return Rollout(**{f.name: getattr(self, f.name).to(device) for f in fields(self)})
+        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                          for f in fields(self)})

@@ -26,7 +26,7 @@ import torch
 from accelerate import Accelerator
 from accelerate.utils import GradientAccumulationPlugin
 from torch.utils.data import DataLoader
-from transformers import DataCollatorWithPadding, Trainer, TrainerControl
+from transformers import Trainer, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
@@ -63,7 +63,8 @@ from .models import (
     sequence_inputs,
 )
 from .progress import PPOProgress
-from .rewards import score_responses
+from .prompts import LeftPaddingCollator, prepare_prompts
+from .rewards import RewardNormalizer, RewardScorer
 from .rollout import Rollout
 
 if is_peft_available():
@@ -109,6 +110,7 @@ class PPOTrainer(TRLPPOTrainer):
         callbacks=None,
         peft_config: "PeftConfig | None" = None,
         eval_reward=None,
+        reward_processing_classes=None,
     ) -> None:
         if not isinstance(args, PPOConfig):
             raise TypeError(f"`args` must be a trl_ext.PPOConfig, got {type(args).__name__}: import PPOConfig from "
@@ -118,15 +120,12 @@ class PPOTrainer(TRLPPOTrainer):
         if ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object: pass a copy, or `None` (a frozen "
                              "copy is made, or with peft the adapter is disabled).")
-        if reward_model is None or not (callable(reward_model)):
-            raise ValueError("`reward_model` must be a sequence-classification model or a function "
-                             "(prompts: list[str], completions: list[str]) -> list[float].")
+        if reward_model is None:
+            raise ValueError("`reward_model` is required: a sequence-classification model, a function "
+                             "(prompts: list[str], completions: list[str], **columns) -> list[float], or a list.")
         tokenizer = processing_class
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token: set `tokenizer.pad_token` (e.g. to its EOS token).")
-        if data_collator is None and getattr(tokenizer, "padding_side", "left") != "left":
-            raise ValueError(f"tokenizer.padding_side={tokenizer.padding_side!r}: PPO needs left-padded prompts. "
-                             "Set `tokenizer.padding_side = 'left'`.")
 
         self.args = args
         self.processing_class = tokenizer
@@ -144,8 +143,23 @@ class PPOTrainer(TRLPPOTrainer):
             raise ValueError("missing_eos_penalty is set but there is no stop token (stop_token='none'): set a stop "
                              "token or drop the penalty.")
 
+        # Prompts: a `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever
+        # the tokenizer's padding side. A custom data_collator gets the dataset as given (and must left-pad).
+        self.prompt_counts = {"data/prompts_truncated": 0, "data/prompts_dropped": 0}
+        self.extra_columns: tuple[str, ...] = ()
         if data_collator is None:
-            data_collator = DataCollatorWithPadding(tokenizer)
+            prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation)
+            train_dataset = prepared.dataset
+            self.prompt_counts = {"data/prompts_truncated": prepared.num_truncated,
+                                  "data/prompts_dropped": prepared.num_dropped}
+            if prepared.num_truncated or prepared.num_dropped:
+                print(f"[trl_ext] prompts longer than max_prompt_length={args.max_prompt_length}: "
+                      f"{prepared.num_truncated} truncated from the left, {prepared.num_dropped} dropped")
+            if eval_dataset is not None:
+                eval_dataset = prepare_prompts(eval_dataset, tokenizer, args.max_prompt_length,
+                                               args.prompt_truncation).dataset
+            self.extra_columns = tuple(prepared.extra_columns)
+            data_collator = LeftPaddingCollator(tokenizer, self.extra_columns)
 
         # PEFT
         if peft_config is not None:
@@ -166,8 +180,13 @@ class PPOTrainer(TRLPPOTrainer):
         else:
             self.ref_model = create_reference_model(self.policy_model)
 
+        # Rewards: models (the policy's tokenizer or their own), functions, or a weighted list (trl_ext/rewards.py)
         self.reward_model = reward_model
+        self.reward_scorer = RewardScorer(reward_model, tokenizer, args.reward_weights, reward_processing_classes)
+        self.reward_normalizer = RewardNormalizer(args.reward_norm, args.reward_norm_mean, args.reward_norm_std,
+                                                  args.reward_clip)
         self.eval_reward = eval_reward  # a gold scorer for evaluation only (never trained on)
+        self.eval_scorer = RewardScorer(eval_reward, tokenizer) if eval_reward is not None else None
         if eval_reward is not None and eval_dataset is None:
             raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
         self.train_dataset = train_dataset
@@ -218,7 +237,10 @@ class PPOTrainer(TRLPPOTrainer):
         self.local_dataloader_batch_size = args.local_batch_size
 
         # Models: dropout off, gradient checkpointing as configured, policy+value as one trained module
-        for module in [self.policy_model, self.ref_model, self.value_model, self.reward_model]:
+        scorer_models = list(self.reward_scorer.models.values())
+        if self.eval_scorer is not None:
+            scorer_models += list(self.eval_scorer.models.values())
+        for module in [self.policy_model, self.ref_model, self.value_model] + scorer_models:
             if isinstance(module, torch.nn.Module):
                 disable_dropout_in_model(module)
         if args.gradient_checkpointing:
@@ -289,17 +311,16 @@ class PPOTrainer(TRLPPOTrainer):
         if self.is_deepspeed_enabled:
             from trl.models.utils import prepare_deepspeed
 
-            if isinstance(self.reward_model, torch.nn.Module):
-                self.reward_model = prepare_deepspeed(self.reward_model, accelerator)
+            for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
+                for name, module in scorer.models.items():
+                    scorer.replace_model(name, prepare_deepspeed(module, accelerator))
             if self.ref_model is not None:
                 self.ref_model = prepare_deepspeed(self.ref_model, accelerator)
         else:
             if self.ref_model is not None:
                 self.ref_model = self.ref_model.to(accelerator.device)
-            if isinstance(self.reward_model, torch.nn.Module):
-                self.reward_model = self.reward_model.to(accelerator.device)
-            if isinstance(self.eval_reward, torch.nn.Module):
-                self.eval_reward = self.eval_reward.to(accelerator.device)
+            for module in scorer_models:
+                module.to(accelerator.device)
 
         self.generation_config = sampling_config(args.response_length, args.temperature, self.stop_token_id,
                                                  tokenizer.pad_token_id)
@@ -361,8 +382,9 @@ class PPOTrainer(TRLPPOTrainer):
 
     # ------------------------------------------------------------------------------------------------ rollout
     @torch.no_grad()
-    def rollout(self, queries: torch.Tensor, query_mask: torch.Tensor) -> Rollout:
-        """Steps 1-7 of a PPO iteration on a batch of left-padded prompts: (B, Q) ids and (B, Q) bool mask."""
+    def rollout(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None = None) -> Rollout:
+        """Steps 1-7 of a PPO iteration on a batch of left-padded prompts: (B, Q) ids and (B, Q) bool mask.
+        extra_columns: other dataset columns of these prompts (lists), passed to reward functions."""
         args, accelerator, tok = self.args, self.accelerator, self.processing_class
         query_mask = query_mask.bool()
         check_left_padded(query_mask)
@@ -380,7 +402,7 @@ class PPOTrainer(TRLPPOTrainer):
         responses = responses.masked_fill(~response_mask, tok.pad_token_id)
 
         self._phase("scoring")
-        logprobs, ref_logprobs, values, scores = [], [], [], []
+        logprobs, ref_logprobs, values, scores, source_scores = [], [], [], [], []
         for s in self._chunks(queries.shape[0]):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
             # 3. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses
@@ -398,11 +420,19 @@ class PPOTrainer(TRLPPOTrainer):
                 ref_logprobs.append(logprobs_from_logits(ref_logits.float(), responses[s]))
                 del ref_logits
                 # 5. scores of the response cut after its stop token
-                scores.append(score_responses(self.reward_model, tok, queries[s], query_mask[s], responses[s],
-                                              response_mask[s]))
+                extra = {k: v[s] for k, v in (extra_columns or {}).items()}
+                combined, per_source = self.reward_scorer(queries[s], query_mask[s], responses[s], response_mask[s],
+                                                          extra)
+                scores.append(combined)
+                source_scores.append(torch.stack(list(per_source.values()), 1))
         logprobs, ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
         values = torch.cat(values) * response_mask
         scores = torch.cat(scores).to(logprobs.device)
+        source_scores = torch.cat(source_scores).to(logprobs.device)
+        # score conditioning: normalise (running statistics over all processes) and clip, then the stop penalty
+        if args.reward_norm == "running":
+            self.reward_normalizer.update(accelerator.gather(scores))
+        scores = self.reward_normalizer.normalize(scores)
         if args.missing_eos_penalty is not None:
             stopped = ((responses == self.stop_token_id) & response_mask).any(dim=1)
             scores = scores - args.missing_eos_penalty * (~stopped).float()
@@ -418,7 +448,7 @@ class PPOTrainer(TRLPPOTrainer):
         advantages = masked_whiten(advantages, response_mask) * response_mask
         return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
                        logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
-                       rewards=rewards, advantages=advantages, returns=returns)
+                       rewards=rewards, advantages=advantages, returns=returns, source_scores=source_scores)
 
     # ------------------------------------------------------------------------------------------------ update
     def _grad_norm(self, params) -> float:
@@ -485,8 +515,12 @@ class PPOTrainer(TRLPPOTrainer):
         kl_coef: the β this rollout's rewards were shaped with."""
         gather = lambda t: self.accelerator.gather(t.to(self.accelerator.device))  # noqa: E731
         m = rollout_metrics(rollout, kl_coef, self.stop_token_id, gather)
+        if rollout.source_scores is not None:  # each reward source's raw (unweighted) mean score
+            means = gather(rollout.source_scores.float()).mean(0)
+            m.update({f"objective/scores/{name}": v.item() for name, v in zip(self.reward_scorer.names, means)})
         m.update(update_metrics(stats, gather))
         m["val/warmup"] = float(warmup)
+        m.update(self.prompt_counts)
         m["lr"] = self.lr_scheduler.get_last_lr()[0]
         m["episode"] = self.state.episode
         return m
@@ -531,7 +565,8 @@ class PPOTrainer(TRLPPOTrainer):
             warmup = self.state.global_step < args.critic_warmup_steps
             kl_coef = self.kl_ctl.value
             # 1-7. rollout: generate, score, shape rewards with the current β, advantages
-            rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device))
+            extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+            rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device), extra)
             # 8. PPO epochs (value model only during critic warmup)
             progress.phase("optimising critic" if warmup else "optimising")
             stats = self.ppo_update(rollout, critic_only=warmup)
@@ -621,7 +656,8 @@ class PPOTrainer(TRLPPOTrainer):
                 self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
             self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
             with open(os.path.join(staging, TRL_EXT_STATE), "w") as f:
-                json.dump({"kl_controller": self.kl_ctl.state_dict(), "settings": self._run_settings()}, f, indent=2)
+                json.dump({"kl_controller": self.kl_ctl.state_dict(), "reward_normalizer":
+                           self.reward_normalizer.state_dict(), "settings": self._run_settings()}, f, indent=2)
         self._barrier()
         if main:
             if os.path.exists(final):
@@ -654,6 +690,7 @@ class PPOTrainer(TRLPPOTrainer):
         self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
         self.kl_ctl.load_state_dict(saved["kl_controller"])
+        self.reward_normalizer.load_state_dict(saved["reward_normalizer"])
         restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         for name in ("global_step", "episode", "epoch", "log_history", "total_flos"):
             setattr(self.state, name, getattr(restored, name))
@@ -710,9 +747,10 @@ class PPOTrainer(TRLPPOTrainer):
                 ref_logprobs = logprobs_from_logits(ref_logits.float(), responses)
                 kl = ((logprobs - ref_logprobs) * response_mask).sum(1)
                 columns = [kl]
-                for scorer in [self.reward_model] + ([self.eval_reward] if self.eval_reward is not None else []):
-                    columns.append(score_responses(scorer, tok, queries, query_mask, responses, response_mask))
-                    columns.append(score_responses(scorer, tok, queries, query_mask, ref_responses, ref_mask))
+                extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+                for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
+                    columns.append(scorer(queries, query_mask, responses, response_mask, extra)[0])
+                    columns.append(scorer(queries, query_mask, ref_responses, ref_mask, extra)[0])
             rows.append(torch.stack([c.float().to(device) for c in columns], 1))
         table = self.accelerator.gather(torch.cat(rows))  # (prompts, 3 or 5)
 
@@ -740,7 +778,8 @@ class PPOTrainer(TRLPPOTrainer):
                 responses = generate_responses(unwrapped.policy, queries, query_mask, self.generation_config,
                                                tok.pad_token_id, queries.shape[0])
             response_mask = response_mask_from_stop(responses, self.stop_token_id)
-            scores = score_responses(self.reward_model, tok, queries, query_mask, responses, response_mask)
+            extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+            scores = self.reward_scorer(queries, query_mask, responses, response_mask, extra)[0]
             for q, qm, r, rm, s in zip(queries, query_mask, responses, response_mask, scores):
                 rows.append((tok.decode(q[qm], skip_special_tokens=True), tok.decode(r[rm]), float(s)))
             if sampling:
