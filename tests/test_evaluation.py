@@ -83,3 +83,16 @@ def test_eval_reward_without_eval_dataset_is_an_error(tmp_path):
                    processing_class=tok, model=tiny_causal_lm(tok), ref_model=None, reward_model=share_of_targets,
                    train_dataset=tiny_prompt_dataset(tok, 8), value_model=tiny_scalar_model(tok),
                    eval_reward=distinct_words)
+
+
+def test_the_dashboard_plots_win_rate_against_kl_when_evaluated(tmp_path):
+    from trl_ext.report import EVAL_PANEL_TITLES, load_metrics, make_dashboard
+
+    t = make(tmp_path, iterations=20, lr=1e-2)
+    t.train()
+    fig = make_dashboard(load_metrics(tmp_path), tmp_path / "dashboard.png")
+    titles = [ax.get_title() for ax in fig.axes]
+    assert all(title in titles for title in EVAL_PANEL_TITLES)
+    win_ax = fig.axes[titles.index(EVAL_PANEL_TITLES[0])]
+    kl = [h["eval/kl"] for h in eval_logs(t)]
+    assert any(list(line.get_xdata()) == pytest.approx(kl) for line in win_ax.get_lines())

@@ -25,6 +25,7 @@ METRICS_FILE = "metrics.jsonl"  # same name as trl_ext.callbacks.METRICS_FILE (n
 SAMPLES_FILE = "samples.jsonl"
 DASHBOARD_FILE = "dashboard.png"
 
+EVAL_PANEL_TITLES = ("Win rate vs reference against KL (eval)", "Evaluation scores")
 PANEL_TITLES = (
     "Reward vs KL (frontier)",
     "KL and β over steps",
@@ -351,10 +352,13 @@ def make_dashboard(records: list[dict], path, title: str | None = None):
     alarms = run.alarms()
     colors = _alarm_colors(dict.fromkeys(name for _, name in alarms))
 
-    fig = Figure(figsize=(15, 14), dpi=100, layout="constrained")
+    has_eval = run.has("eval/win_rate_vs_ref")
+    fig = Figure(figsize=(15, 18.5 if has_eval else 14), dpi=100, layout="constrained")
     FigureCanvasAgg(fig)
-    axes = fig.subplots(3, 2)
-    ax_front, ax_kl, ax_clip, ax_ev, ax_ent, ax_len = axes.flat
+    axes = fig.subplots(4 if has_eval else 3, 2)
+    ax_front, ax_kl, ax_clip, ax_ev, ax_ent, ax_len = axes.flat[:6]
+    if has_eval:  # (7) and (8): held-out evaluation against the reference (PPOTrainer.evaluate_policy)
+        _eval_panels(run, *axes.flat[6:])
 
     # (1) reward vs KL: one point per step, coloured by step, joined in step order.
     ax_front.set_title(PANEL_TITLES[0])
@@ -438,6 +442,37 @@ def make_dashboard(records: list[dict], path, title: str | None = None):
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return fig
+
+
+def _eval_panels(run, ax_win, ax_scores) -> None:
+    """Win rate against the reference plotted against KL (over-optimisation shows as a gold win rate that stalls
+    or falls while KL grows), and the evaluation scores over steps."""
+    ax_win.set_title(EVAL_PANEL_TITLES[0])
+    ax_win.set_xlabel("KL to reference on held-out prompts, nats (eval/kl)")
+    ax_win.set_ylabel("win rate vs reference")
+    ax_win.axhline(0.5, color="0.3", linestyle="--", linewidth=1, label="0.5 (no better than the reference)")
+    kl = run.series("eval/kl")
+    for key, label, color in (("eval/win_rate_vs_ref", "training reward", _LEFT),
+                              ("eval/gold_win_rate_vs_ref", "gold reward (eval_reward)", _RIGHT)):
+        points = [(x, y) for x, y in zip(kl, run.series(key)) if math.isfinite(x) and math.isfinite(y)]
+        if points:
+            xs, ys = zip(*points)
+            ax_win.plot(xs, ys, marker="o", color=color, label=label)
+    ax_win.set_ylim(-0.02, 1.02)
+    ax_win.legend(loc="lower right", fontsize=8, framealpha=0.8)
+    ax_win.grid(True, alpha=0.3)
+
+    ax_scores.set_title(EVAL_PANEL_TITLES[1])
+    ax_scores.set_xlabel("step")
+    ax_scores.set_ylabel("mean score on held-out prompts")
+    for key, label in (("eval/score", "policy"), ("eval/score_ref", "reference"),
+                       ("eval/gold_score", "policy, gold"), ("eval/gold_score_ref", "reference, gold")):
+        points = [(st, v) for st, v in zip(run.steps, run.series(key)) if math.isfinite(v)]
+        if points:
+            xs, ys = zip(*points)
+            ax_scores.plot(xs, ys, marker="o", linestyle="--" if "ref" in key else "-", label=label)
+    ax_scores.legend(fontsize=8, framealpha=0.8)
+    ax_scores.grid(True, alpha=0.3)
 
 
 # -------------------------------------------------------------------------------------------------------- report
