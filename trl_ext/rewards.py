@@ -14,7 +14,7 @@
 normalises the score BEFORE it applies `missing_eos_penalty`, so the penalty keeps its configured size in normalised
 units and is never scaled or clipped away.
 
-`score_responses` (one reward, policy tokenizer only) is the older entry point; the trainer still uses it.
+`score_responses` scores with one reward on the policy's tokenizer (kind (a) or (c)); the trainer uses `RewardScorer`.
 """
 
 from __future__ import annotations

@@ -77,6 +77,11 @@ def _exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
+def extra_columns(batch: dict) -> dict:
+    """The dataset columns of a collated batch other than the prompt tensors (for reward functions)."""
+    return {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+
+
 def check_left_padded(query_mask: torch.Tensor) -> None:
     """Prompts must be left-padded: in each row, once a real token appears, every later one is real."""
     if (query_mask[:, 1:].long() < query_mask[:, :-1].long()).any():
@@ -360,6 +365,14 @@ class PPOTrainer(TRLPPOTrainer):
             with policy.disable_adapter() if self.is_peft_model else nullcontext():
                 yield
 
+    def _ref_logits(self, inputs: dict, context_length: int) -> torch.Tensor:
+        """(B, T, V) reference logits for the response tokens: the reference model, or the policy with its adapter
+        disabled (peft)."""
+        if self.ref_model is not None:
+            return response_logits(self.ref_model, inputs, context_length, self.args.temperature)
+        with self.null_ref_context():
+            return response_logits(self.unwrapped.policy, inputs, context_length, self.args.temperature)
+
     def _phase(self, name: str) -> None:
         progress = getattr(self, "_progress", None)
         if progress is not None:
@@ -412,13 +425,7 @@ class PPOTrainer(TRLPPOTrainer):
             del logits
             # 4. reference log-probs
             with accelerator.autocast():
-                if self.ref_model is None:
-                    with self.null_ref_context():
-                        ref_logits = response_logits(self.unwrapped.policy, inputs, Q, args.temperature)
-                else:
-                    ref_logits = response_logits(self.ref_model, inputs, Q, args.temperature)
-                ref_logprobs.append(logprobs_from_logits(ref_logits.float(), responses[s]))
-                del ref_logits
+                ref_logprobs.append(logprobs_from_logits(self._ref_logits(inputs, Q).float(), responses[s]))
                 # 5. scores of the response cut after its stop token
                 extra = {k: v[s] for k, v in (extra_columns or {}).items()}
                 combined, per_source = self.reward_scorer(queries[s], query_mask[s], responses[s], response_mask[s],
@@ -565,8 +572,8 @@ class PPOTrainer(TRLPPOTrainer):
             warmup = self.state.global_step < args.critic_warmup_steps
             kl_coef = self.kl_ctl.value
             # 1-7. rollout: generate, score, shape rewards with the current β, advantages
-            extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
-            rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device), extra)
+            rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                   extra_columns(batch))
             # 8. PPO epochs (value model only during critic warmup)
             progress.phase("optimising critic" if warmup else "optimising")
             stats = self.ppo_update(rollout, critic_only=warmup)
@@ -739,15 +746,10 @@ class PPOTrainer(TRLPPOTrainer):
             with self.accelerator.autocast():
                 logprobs = logprobs_from_logits(response_logits(self.unwrapped.policy, inputs, Q, args.temperature)
                                                 .float(), responses)
-                if self.ref_model is None:
-                    with self.null_ref_context():
-                        ref_logits = response_logits(self.unwrapped.policy, inputs, Q, args.temperature)
-                else:
-                    ref_logits = response_logits(self.ref_model, inputs, Q, args.temperature)
-                ref_logprobs = logprobs_from_logits(ref_logits.float(), responses)
+                ref_logprobs = logprobs_from_logits(self._ref_logits(inputs, Q).float(), responses)
                 kl = ((logprobs - ref_logprobs) * response_mask).sum(1)
                 columns = [kl]
-                extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+                extra = extra_columns(batch)
                 for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
                     columns.append(scorer(queries, query_mask, responses, response_mask, extra)[0])
                     columns.append(scorer(queries, query_mask, ref_responses, ref_mask, extra)[0])
@@ -778,8 +780,7 @@ class PPOTrainer(TRLPPOTrainer):
                 responses = generate_responses(unwrapped.policy, queries, query_mask, self.generation_config,
                                                tok.pad_token_id, queries.shape[0])
             response_mask = response_mask_from_stop(responses, self.stop_token_id)
-            extra = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
-            scores = self.reward_scorer(queries, query_mask, responses, response_mask, extra)[0]
+            scores = self.reward_scorer(queries, query_mask, responses, response_mask, extra_columns(batch))[0]
             for q, qm, r, rm, s in zip(queries, query_mask, responses, response_mask, scores):
                 rows.append((tok.decode(q[qm], skip_special_tokens=True), tok.decode(r[rm]), float(s)))
             if sampling:
