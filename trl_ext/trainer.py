@@ -24,7 +24,7 @@ from contextlib import contextmanager, nullcontext
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin
+from accelerate.utils import GradientAccumulationPlugin, gather_object
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
@@ -754,7 +754,8 @@ class PPOTrainer(TRLPPOTrainer):
                     columns.append(scorer(queries, query_mask, responses, response_mask, extra)[0])
                     columns.append(scorer(queries, query_mask, ref_responses, ref_mask, extra)[0])
             rows.append(torch.stack([c.float().to(device) for c in columns], 1))
-        table = self.accelerator.gather(torch.cat(rows))  # (prompts, 3 or 5)
+        # (prompts, 3 or 5); gather_object, as the processes' shares of the prompts may differ by one
+        table = torch.tensor(gather_object(torch.cat(rows).tolist()), dtype=torch.float32)
 
         def win_rate(policy, reference):
             return ((policy > reference).float() + 0.5 * (policy == reference).float()).mean().item()
