@@ -733,7 +733,7 @@ class PPOTrainer(TRLPPOTrainer):
         eval/score, eval/score_ref: mean scores; eval/win_rate_vs_ref: share of prompts where the policy's completion
         scores higher than the reference's (ties count half); eval/kl: mean per-sequence KL(π‖π_ref) (k1) of the
         policy's completions; eval/gold_* the same with `eval_reward`."""
-        args, tok = self.args, self.processing_class
+        args = self.args
         device = self.accelerator.device
         rows = []
         for i, batch in enumerate(self.eval_dataloader):
