@@ -24,6 +24,7 @@ from trl_ext.core import (
     masked_whiten,
     response_mask_from_stop,
     shape_rewards,
+    token_logprobs,
 )
 
 CORE_DIR = pathlib.Path(__file__).resolve().parents[1] / "trl_ext" / "core"
@@ -376,6 +377,111 @@ def test_logprobs_and_entropy_from_logits():
     ent = entropy_from_logits(masked)
     ent.sum().backward()
     assert ent.item() == pytest.approx(math.log(2)) and not masked.grad.isnan().any()
+
+
+# ---------------------------------------------------------------- chunked log-probs and entropy
+
+
+def _reference_logprobs(logits, tokens, temperature=1.0):
+    return torch.log_softmax(logits / temperature, -1).gather(-1, tokens[..., None]).squeeze(-1)
+
+
+@pytest.mark.parametrize("chunk_size", [1, 3, 5, 64])
+@pytest.mark.parametrize("temperature", [1.0, 0.7])
+def test_token_logprobs_chunked_equals_unchunked_values_and_gradients(chunk_size, temperature):
+    g = torch.Generator().manual_seed(chunk_size)
+    logits = torch.randn(3, 5, 11, generator=g, dtype=torch.float64, requires_grad=True)
+    tokens = torch.randint(0, 11, (3, 5), generator=g)
+    weights = torch.randn(3, 5, generator=g, dtype=torch.float64)  # an arbitrary upstream gradient
+    out = token_logprobs(logits, tokens, temperature, chunk_size)
+    ref = _reference_logprobs(logits, tokens, temperature)
+    assert out.dtype == torch.float64
+    torch.testing.assert_close(out, ref)
+    (grad,) = torch.autograd.grad((out * weights).sum(), logits)
+    (ref_grad,) = torch.autograd.grad((ref * weights).sum(), logits)
+    torch.testing.assert_close(grad, ref_grad)
+    # and against finite differences
+    assert torch.autograd.gradcheck(lambda x: token_logprobs(x, tokens, temperature, chunk_size), (logits,))
+
+
+def test_token_logprobs_hand_computed():
+    # logits (0, ln 3) over 2 tokens: softmax = (1/4, 3/4); at τ = 1, log p(1) = ln 0.75;
+    # d log p(1) / d l = (0 − 1/4, 1 − 3/4) = (−0.25, 0.25)
+    logits = torch.tensor([[[0.0, math.log(3.0)]]], requires_grad=True)
+    out = token_logprobs(logits, torch.tensor([[1]]))
+    assert out.item() == pytest.approx(math.log(0.75))
+    out.sum().backward()
+    torch.testing.assert_close(logits.grad, torch.tensor([[[-0.25, 0.25]]]))
+
+
+def test_token_logprobs_of_a_non_contiguous_slice():
+    """The trainer passes logits[:, Q − 1 : −1] (a non-contiguous view): same values, gradient lands in place."""
+    g = torch.Generator().manual_seed(0)
+    full = torch.randn(2, 9, 7, generator=g, requires_grad=True)
+    tokens = torch.randint(0, 7, (2, 5), generator=g)
+    sliced = full[:, 3:-1]
+    assert not sliced.is_contiguous()
+    out = token_logprobs(sliced, tokens, chunk_size=2)
+    torch.testing.assert_close(out, _reference_logprobs(sliced, tokens))
+    out.sum().backward()
+    ref_full = full.detach().clone().requires_grad_(True)
+    _reference_logprobs(ref_full[:, 3:-1], tokens).sum().backward()
+    torch.testing.assert_close(full.grad, ref_full.grad)
+    assert (full.grad[:, :3] == 0).all() and (full.grad[:, -1] == 0).all()
+
+
+def test_token_logprobs_keeps_no_fp32_vocabulary_tensor_for_backward():
+    """bf16 logits: autograd keeps only the bf16 logits and the ids; the plain `.float()` + log_softmax path keeps a
+    (B, T, V) fp32 tensor. Values are computed in fp32 (more precise than bf16 log_softmax)."""
+    g = torch.Generator().manual_seed(0)
+    B, T, V = 2, 6, 50
+    logits = torch.randn(B, T, V, generator=g).bfloat16().requires_grad_(True)
+    tokens = torch.randint(0, V, (B, T), generator=g)
+
+    def saved(fn):
+        packed = []
+        with torch.autograd.graph.saved_tensors_hooks(lambda t: packed.append((t.dtype, t.numel())) or t,
+                                                      lambda t: t):
+            out = fn()
+        return out, packed
+
+    out, packed = saved(lambda: token_logprobs(logits, tokens, chunk_size=4))
+    assert out.dtype == torch.float32
+    assert (torch.float32, B * T * V) not in packed and (torch.bfloat16, B * T * V) in packed
+    _, plain = saved(lambda: _reference_logprobs(logits.float(), tokens))
+    assert (torch.float32, B * T * V) in plain  # what the chunked function avoids
+    torch.testing.assert_close(out, _reference_logprobs(logits.float(), tokens))
+    out.sum().backward()
+    assert logits.grad.dtype == torch.bfloat16
+
+
+@pytest.mark.parametrize("chunk_size", [1, 4, 100])
+def test_entropy_chunked_equals_unchunked(chunk_size):
+    g = torch.Generator().manual_seed(1)
+    logits = torch.randn(3, 7, 13, generator=g, dtype=torch.float64)
+    logits[0, 0, :5] = float("-inf")
+    for temperature in (1.0, 0.5):
+        torch.testing.assert_close(entropy_from_logits(logits, temperature, chunk_size),
+                                   entropy_from_logits(logits / temperature))
+    p = torch.softmax(logits[1:] / 0.5, -1)
+    torch.testing.assert_close(entropy_from_logits(logits, 0.5, chunk_size)[1:], -(p * p.log()).sum(-1))
+    # bf16 in, fp32 out, computed on the upcast chunk
+    bf16 = logits.bfloat16()
+    chunked = entropy_from_logits(bf16, 1.0, chunk_size)
+    assert chunked.dtype == torch.float32
+    torch.testing.assert_close(chunked, entropy_from_logits(bf16.float()))
+
+
+def test_chunked_math_bad_input():
+    z, t = torch.zeros(1, 2, 3), torch.zeros(1, 2, dtype=torch.long)
+    with pytest.raises(ValueError, match="chunk_size=0 must be a positive int"):
+        token_logprobs(z, t, chunk_size=0)
+    with pytest.raises(ValueError, match="temperature=0 must be > 0"):
+        token_logprobs(z, t, temperature=0)
+    with pytest.raises(ValueError, match=r"tokens \(1, 3\)"):
+        token_logprobs(z, torch.zeros(1, 3, dtype=torch.long))
+    with pytest.raises(ValueError, match="chunk_size=2.5 must be a positive int"):
+        entropy_from_logits(z, chunk_size=2.5)
 
 
 # ---------------------------------------------------------------- import hygiene

@@ -1,10 +1,14 @@
 """PPO clipped surrogate losses and per-token log-prob / entropy from logits.
 
-Shapes: B = batch, T = response length, V = vocab.
+Shapes: B = batch, T = response length, V = vocab, C = chunk of positions.
 
 Losses average over real tokens of the whole minibatch (masked_mean over B × T), as in TRL.
+
+Memory: `token_logprobs` and `entropy_from_logits(chunk_size=...)` never hold a full-vocabulary fp32 tensor of
+shape (B, T, V): they work on C positions at a time, and `token_logprobs`' backward recomputes the softmax of each
+chunk from the (model-dtype) logits instead of keeping an fp32 log-softmax alive until backward.
 """
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -133,20 +137,117 @@ def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Te
     )
 
 
-def entropy_from_logits(logits: torch.Tensor) -> torch.Tensor:
-    """Entropy of softmax(logits) at each position: logsumexp(l) − Σ_v softmax(l)_v · l_v.
+def _entropy_rows(x: torch.Tensor) -> torch.Tensor:
+    """(..., V) -> (...): logsumexp(x) − Σ_v softmax(x)_v · x_v."""
+    p = F.softmax(x, dim=-1)
+    # p = 0 where l = −inf: zero those logits first so 0 · (−inf) gives 0, not NaN (in backward too)
+    return torch.logsumexp(x, dim=-1) - (p * x.masked_fill(p == 0, 0)).sum(-1)
+
+
+def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
+                        chunk_size: Optional[int] = None) -> torch.Tensor:
+    """Entropy of softmax(logits / temperature) at each position: logsumexp(l) − Σ_v softmax(l)_v · l_v.
 
     Args:
         logits: (B, T, V); −inf entries (masked vocabulary) are allowed and contribute 0.
+        temperature: > 0; the logits are divided by it (chunk by chunk, never as a full copy).
+        chunk_size: None: one row of the batch at a time, in the logits' dtype (differentiable). An int C: C
+            positions at a time, each chunk upcast to fp32 (fp64 stays fp64), so the peak extra memory is one
+            (C, V) fp32 tensor; returns fp32 (call it under `torch.no_grad()` for a logged statistic).
 
     Returns:
         (B, T).
     """
     if logits.dim() != 3:
         raise ValueError(f"logits must be (B, T, V), got shape {tuple(logits.shape)}")
-    out = []
-    for row in logits:  # one row at a time keeps the peak extra memory at (T, V)
-        p = F.softmax(row, dim=-1)
-        # p = 0 where l = −inf: zero those logits first so 0 · (−inf) gives 0, not NaN (in backward too)
-        out.append(torch.logsumexp(row, dim=-1) - (p * row.masked_fill(p == 0, 0)).sum(-1))
-    return torch.stack(out)
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    if chunk_size is None:
+        # one row at a time keeps the peak extra memory at (T, V)
+        return torch.stack([_entropy_rows(row / temperature if temperature != 1.0 else row) for row in logits])
+    _check_chunk_size(chunk_size)
+    B, T, _ = logits.shape
+    out = torch.empty(B, T, dtype=_upcast(logits.dtype), device=logits.device)
+    for b, s in _position_chunks(B, T, chunk_size):
+        out[b, s] = _entropy_rows(logits[b, s].to(out.dtype) / temperature)
+    return out
+
+
+# ---------------------------------------------------------------- chunked log-probs of the sampled tokens
+
+
+def _upcast(dtype: torch.dtype) -> torch.dtype:
+    """fp16/bf16 -> fp32; fp32/fp64 unchanged."""
+    return torch.float64 if dtype == torch.float64 else torch.float32
+
+
+def _check_chunk_size(chunk_size: int) -> None:
+    if isinstance(chunk_size, bool) or not isinstance(chunk_size, int) or chunk_size < 1:
+        raise ValueError(f"chunk_size={chunk_size!r} must be a positive int (positions per chunk, e.g. 64)")
+
+
+def _position_chunks(B: int, T: int, chunk_size: int):
+    """(row, slice of positions) pairs covering (B, T), C positions at a time, row by row: slicing one row keeps
+    a view of a non-contiguous (B, T, V) slice (e.g. logits[:, Q − 1 : −1]) without copying it."""
+    for b in range(B):
+        for t0 in range(0, T, chunk_size):
+            yield b, slice(t0, min(t0 + chunk_size, T))
+
+
+class _TokenLogprobs(torch.autograd.Function):
+    """log softmax(logits / τ)[token], chunk by chunk; backward recomputes each chunk's softmax.
+
+    d log p_y / d l_v = (1[v = y] − softmax(l / τ)_v) / τ, so backward needs only the logits and the tokens."""
+
+    @staticmethod
+    def forward(ctx, logits, tokens, temperature, chunk_size):
+        B, T, _ = logits.shape
+        out = torch.empty(B, T, dtype=_upcast(logits.dtype), device=logits.device)
+        for b, s in _position_chunks(B, T, chunk_size):
+            x = logits[b, s].to(out.dtype) / temperature  # (C, V)
+            out[b, s] = x.gather(-1, tokens[b, s, None]).squeeze(-1) - torch.logsumexp(x, dim=-1)
+        ctx.save_for_backward(logits, tokens)
+        ctx.temperature, ctx.chunk_size = temperature, chunk_size
+        return out
+
+    @staticmethod
+    def backward(ctx, grad_out):
+        logits, tokens = ctx.saved_tensors
+        grad = torch.zeros_like(logits)
+        B, T, _ = logits.shape
+        for b, s in _position_chunks(B, T, ctx.chunk_size):
+            g = grad_out[b, s, None].to(_upcast(logits.dtype))  # (C, 1)
+            x = logits[b, s].to(g.dtype) / ctx.temperature
+            chunk = -F.softmax(x, dim=-1) * g
+            chunk.scatter_add_(-1, tokens[b, s, None], g)
+            grad[b, s] = (chunk / ctx.temperature).to(grad.dtype)
+        return grad, None, None, None
+
+
+def token_logprobs(logits: torch.Tensor, tokens: torch.Tensor, temperature: float = 1.0,
+                   chunk_size: int = 64) -> torch.Tensor:
+    """log softmax(logits / temperature)[token] at each position, C = `chunk_size` positions at a time.
+
+    # gather − logsumexp, after TRL's selective_log_softmax (trl/trainer/utils.py), with a backward that
+    # recomputes the softmax chunk by chunk
+
+    Neither pass materialises a (B, T, V) fp32 tensor: the forward upcasts one (C, V) chunk at a time, and autograd
+    keeps only the logits themselves (in their dtype) and the tokens, not an fp32 log-softmax. The logits' gradient
+    is (B, T, V) in their dtype, as for any consumer of them.
+
+    Args:
+        logits: (B, T, V) raw logits (any float dtype; a non-contiguous slice is fine and is not copied).
+        tokens: (B, T) integer ids in [0, V).
+        temperature: > 0; the sampling temperature the logits are divided by.
+        chunk_size: positions per chunk (C).
+
+    Returns:
+        (B, T) log-probs in fp32 (fp64 for fp64 logits), differentiable with respect to the logits.
+    """
+    if logits.dim() != 3 or tokens.shape != logits.shape[:2]:
+        raise ValueError(f"logits must be (B, T, V) and tokens (B, T) with the same B, T; got logits "
+                         f"{tuple(logits.shape)} and tokens {tuple(tokens.shape)}")
+    if not temperature > 0:
+        raise ValueError(f"temperature={temperature} must be > 0")
+    _check_chunk_size(chunk_size)
+    return _TokenLogprobs.apply(logits, tokens.long(), float(temperature), chunk_size)
