@@ -45,20 +45,23 @@ from .core import (
     clipped_value_loss,
     compute_gae,
     entropy_from_logits,
-    logprobs_from_logits,
     make_kl_controller,
     masked_mean,
     masked_whiten,
     response_mask_from_stop,
     shape_rewards,
+    token_logprobs,
 )
 from .data import RolloutBatchSampler
 from .diagnostics import rollout_metrics, update_metrics
 from .models import (
+    LOGPROB_CHUNK,
     PolicyAndValueWrapper,
+    SharedBaseModels,
     build_value_model,
+    disable_bnb_cpu_repack,
     generate_responses,
-    response_logits,
+    response_logprobs,
     sampling_config,
     sequence_inputs,
 )
@@ -132,6 +135,12 @@ class PPOTrainer(TRLPPOTrainer):
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token: set `tokenizer.pad_token` (e.g. to its EOS token).")
 
+        # Shared base (trl_ext.models.build_shared_base): one base model, every role an adapter of it
+        self.shared = model if isinstance(model, SharedBaseModels) else None
+        if self.shared is not None:
+            self._check_shared_base(args, ref_model, value_model, peft_config)
+            model = self.shared.policy
+
         self.args = args
         self.processing_class = tokenizer
         self.policy_model = model
@@ -196,8 +205,11 @@ class PPOTrainer(TRLPPOTrainer):
             raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
         self.train_dataset = train_dataset
         self.train_dataset_len = len(train_dataset)
-        self.value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, model,
-                                             reward_model)
+        if self.shared is not None:
+            self.value_model = self.shared.value_model  # the critic adapter + value head
+        else:
+            self.value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, model,
+                                                 reward_model)
         self.data_collator = data_collator
         self.eval_dataset = eval_dataset
         self.optimizer, self.lr_scheduler = optimizers
@@ -248,14 +260,18 @@ class PPOTrainer(TRLPPOTrainer):
         for module in [self.policy_model, self.ref_model, self.value_model] + scorer_models:
             if isinstance(module, torch.nn.Module):
                 disable_dropout_in_model(module)
+                # bitsandbytes on AVX512-BF16 CPUs: no in-place repacking of 4-bit weights (it breaks LoRA gradients)
+                disable_bnb_cpu_repack(module)
+        if self.shared is not None:
+            self.model = self.shared
+        else:
+            self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
         if args.gradient_checkpointing:
-            gc_kwargs = args.gradient_checkpointing_kwargs or {"use_reentrant": False}
-            for module in (self.policy_model, self.value_model):
-                if getattr(module, "supports_gradient_checkpointing", False):
-                    module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=gc_kwargs)
+            # on the policy and the critic (one base for both when shared); non-reentrant, as peft needs
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
             if self.is_peft_model:
                 self.policy_model.enable_input_require_grads()
-        self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
         self.model.config = self.policy_model.config
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
 
@@ -299,6 +315,9 @@ class PPOTrainer(TRLPPOTrainer):
         # (its own generator: creating the iterator must not draw from the global RNG that sampling uses)
         self.dataloader = DataLoader(train_dataset, batch_sampler=self.batch_sampler, collate_fn=data_collator,
                                      generator=torch.Generator().manual_seed(args.seed))
+        if self.shared is not None and accelerator.num_processes > 1:
+            raise ValueError(f"A shared-base model trains in one process; this run has {accelerator.num_processes}. "
+                             "Launch one process, or give the policy, critic and reward models separately.")
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
         torch.manual_seed(self.local_seed)  # each process samples its own responses
         self.eval_dataloader = None
@@ -331,12 +350,27 @@ class PPOTrainer(TRLPPOTrainer):
                                                  tokenizer.pad_token_id)
 
     # ------------------------------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _check_shared_base(args: PPOConfig, ref_model, value_model, peft_config) -> None:
+        if peft_config is not None:
+            raise ValueError("A shared-base model already carries its adapters: pass peft_config=None (give the "
+                             "LoraConfigs to build_shared_base).")
+        if ref_model is not None:
+            raise ValueError("With a shared-base model the reference is the base with its adapters disabled: pass "
+                             "ref_model=None.")
+        if value_model is not None or args.value_model_init != "given":
+            raise ValueError("With a shared-base model the critic is its 'critic' adapter and value head: pass "
+                             "value_model=None and leave value_model_init at 'given'.")
+        if args.ref_adapter_name:
+            raise ValueError(f"ref_adapter_name={args.ref_adapter_name!r} is not used with a shared-base model (the "
+                             "reference is the base with adapters disabled): unset it.")
+
     def create_optimizer(self, model=None):
         """Trainer's optimizer; with `critic_learning_rate`, the value model's parameters get their own groups."""
         optimizer = super().create_optimizer(model)
         critic_lr = self.args.critic_learning_rate
         if critic_lr is not None:
-            value_ids = {id(p) for p in self.value_model.parameters()}
+            value_ids = {id(p) for p in self.accelerator.unwrap_model(self.model).value_parameters()}
             for group in list(optimizer.param_groups):
                 critic_params = [p for p in group["params"] if id(p) in value_ids]
                 if critic_params:
@@ -355,7 +389,10 @@ class PPOTrainer(TRLPPOTrainer):
     def null_ref_context(self):
         """The policy acts as the reference: its adapter disabled (peft), or the reference adapter selected."""
         policy = self.unwrapped.policy
-        if self.ref_adapter_name:
+        if self.shared is not None:
+            with self.shared.reference():
+                yield
+        elif self.ref_adapter_name:
             policy.set_adapter(self.ref_adapter_name)
             try:
                 yield
@@ -365,13 +402,13 @@ class PPOTrainer(TRLPPOTrainer):
             with policy.disable_adapter() if self.is_peft_model else nullcontext():
                 yield
 
-    def _ref_logits(self, inputs: dict, context_length: int) -> torch.Tensor:
-        """(B, T, V) reference logits for the response tokens: the reference model, or the policy with its adapter
-        disabled (peft)."""
+    def _ref_logprobs(self, inputs: dict, responses: torch.Tensor) -> torch.Tensor:
+        """(B, T) fp32 reference log-probs of the response tokens: the reference model, or the policy with its
+        adapter disabled (peft; with a shared base, the base with every adapter disabled)."""
         if self.ref_model is not None:
-            return response_logits(self.ref_model, inputs, context_length, self.args.temperature)
+            return response_logprobs(self.ref_model, inputs, responses, self.args.temperature)
         with self.null_ref_context():
-            return response_logits(self.unwrapped.policy, inputs, context_length, self.args.temperature)
+            return response_logprobs(self.unwrapped.policy, inputs, responses, self.args.temperature)
 
     def _phase(self, name: str) -> None:
         progress = getattr(self, "_progress", None)
@@ -401,7 +438,6 @@ class PPOTrainer(TRLPPOTrainer):
         args, accelerator, tok = self.args, self.accelerator, self.processing_class
         query_mask = query_mask.bool()
         check_left_padded(query_mask)
-        Q = queries.shape[1]
 
         # 1. generate: sample from softmax(logits / temperature), nothing else
         self._phase("generating")
@@ -411,6 +447,7 @@ class PPOTrainer(TRLPPOTrainer):
                                            tok.pad_token_id, args.local_rollout_forward_batch_size)
 
         # 2. response mask from the stop position (the stop token is real; nothing after it is)
+        T = responses.shape[1]
         response_mask = response_mask_from_stop(responses, self.stop_token_id)
         responses = responses.masked_fill(~response_mask, tok.pad_token_id)
 
@@ -418,14 +455,15 @@ class PPOTrainer(TRLPPOTrainer):
         logprobs, ref_logprobs, values, scores, source_scores = [], [], [], [], []
         for s in self._chunks(queries.shape[0]):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
-            # 3. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses
-            logits, value = self.model(**inputs)
-            logprobs.append(logprobs_from_logits(logits[:, Q - 1 : -1].float() / args.temperature, responses[s]))
-            values.append(value[:, Q - 1 : -1].float())
+            # 3. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses.
+            # Only the last T + 1 positions' logits are computed; log-probs in chunks; the logits freed at once.
+            logits, value = self.model(**inputs, logits_to_keep=T + 1)
+            logprobs.append(token_logprobs(logits[:, -T - 1 : -1], responses[s], args.temperature, LOGPROB_CHUNK))
+            values.append(value[:, -T - 1 : -1].float())
             del logits
             # 4. reference log-probs
             with accelerator.autocast():
-                ref_logprobs.append(logprobs_from_logits(self._ref_logits(inputs, Q).float(), responses[s]))
+                ref_logprobs.append(self._ref_logprobs(inputs, responses[s]))
                 # 5. scores of the response cut after its stop token
                 extra = {k: v[s] for k, v in (extra_columns or {}).items()}
                 combined, per_source = self.reward_scorer(queries[s], query_mask[s], responses[s], response_mask[s],
@@ -467,10 +505,15 @@ class PPOTrainer(TRLPPOTrainer):
         micro-batches), clipped policy and value losses, gradients clipped to `max_grad_norm`.
 
         critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
-        weights nor its optimizer state change; only the value model learns."""
+        weights nor its optimizer state change; only the value model learns.
+
+        Memory: the policy's logits are computed for the T + 1 positions that predict response tokens only; the
+        log-probs come from `token_logprobs` (no (b, T, V) fp32 tensor, forward or backward) and the entropy under
+        no_grad in chunks, and the logits are released before backward. With a shared base, the policy and the
+        critic each run forward and backward with their own adapter active (one backward per role)."""
         args, accelerator = self.args, self.accelerator
         stats = defaultdict(list)
-        Q = rollout.queries.shape[1]
+        T = rollout.responses.shape[1]
         wrapper = self.unwrapped
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(args.local_batch_size, device=rollout.queries.device)
@@ -480,31 +523,22 @@ class PPOTrainer(TRLPPOTrainer):
                     mb = rollout[minibatch[mc_start : mc_start + args.per_device_train_batch_size]]
                     with accelerator.accumulate(self.model):
                         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
-                        logits, values = self.model(**inputs)
-                        logits = logits[:, Q - 1 : -1].float() / args.temperature  # (b, T, V)
-                        new_logprobs = logprobs_from_logits(logits, mb.responses)
-                        vpred = values[:, Q - 1 : -1].float()
-                        pg_loss, pg_stats = clipped_policy_loss(new_logprobs, mb.logprobs, mb.advantages,
-                                                                mb.response_mask, args.cliprange)
-                        vf_loss, vf_stats = clipped_value_loss(vpred, mb.values, mb.returns, mb.response_mask,
-                                                               args.cliprange_value)
-                        # in warmup the policy term is kept at weight 0 so every parameter still gets a gradient
-                        # (DDP needs that); those zeros are dropped below
-                        loss = (0.0 if critic_only else 1.0) * pg_loss + args.vf_coef * vf_loss
-                        accelerator.backward(loss)
+                        if self.shared is not None:
+                            out = self._shared_losses(inputs, mb, critic_only)
+                        else:
+                            out = self._losses(inputs, mb, critic_only)
+                        pg_loss, pg_stats, vf_loss, vf_stats, entropy = out
                         if accelerator.sync_gradients:
                             if critic_only:
-                                for p in wrapper.policy.parameters():
+                                for p in wrapper.policy_parameters():
                                     p.grad = None  # torch optimizers skip parameters without a gradient
                             # pre-clip norms, then clip (TRL 1.12 ignored max_grad_norm)
-                            stats["policy/grad_norm"].append(self._grad_norm(wrapper.policy.parameters()))
-                            stats["val/grad_norm"].append(self._grad_norm(wrapper.value_model.parameters()))
+                            stats["policy/grad_norm"].append(self._grad_norm(wrapper.policy_parameters()))
+                            stats["val/grad_norm"].append(self._grad_norm(wrapper.value_parameters()))
                             if args.max_grad_norm is not None and args.max_grad_norm > 0:
                                 accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
-                    with torch.no_grad():
-                        entropy = masked_mean(entropy_from_logits(logits), mb.response_mask)
                     stats["policy/approxkl_avg"].append(pg_stats["approxkl"].item())
                     stats["policy/clipfrac_avg"].append(pg_stats["clipfrac"].item())
                     stats["loss/policy_avg"].append(pg_loss.item())
@@ -515,6 +549,55 @@ class PPOTrainer(TRLPPOTrainer):
                     if epoch == 0 and mb_start == 0:  # before any optimizer step of this iteration: must be 1.0
                         stats["policy/ratio_first_minibatch"].append(pg_stats["ratio_mean"].item())
         return stats
+
+    def _policy_terms(self, logits: torch.Tensor, mb: Rollout):
+        """(b, T+1 or L, V) policy logits -> (policy loss, its stats, mean entropy); the entropy is taken under
+        no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns."""
+        args, T = self.args, mb.responses.shape[1]
+        response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
+        new_logprobs = token_logprobs(response_logits, mb.responses, args.temperature, LOGPROB_CHUNK)
+        with torch.no_grad():
+            entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
+                                  mb.response_mask)
+        pg_loss, pg_stats = clipped_policy_loss(new_logprobs, mb.logprobs, mb.advantages, mb.response_mask,
+                                                args.cliprange)
+        return pg_loss, pg_stats, entropy
+
+    def _value_terms(self, values: torch.Tensor, mb: Rollout):
+        T = mb.responses.shape[1]
+        vpred = values[:, -T - 1 : -1].float()
+        return clipped_value_loss(vpred, mb.values, mb.returns, mb.response_mask, self.args.cliprange_value)
+
+    def _losses(self, inputs: dict, mb: Rollout, critic_only: bool):
+        """Separate policy and value models: one forward of the wrapper, one backward of the summed loss."""
+        T = mb.responses.shape[1]
+        logits, values = self.model(**inputs, logits_to_keep=T + 1)
+        pg_loss, pg_stats, entropy = self._policy_terms(logits, mb)
+        del logits
+        vf_loss, vf_stats = self._value_terms(values, mb)
+        # in warmup the policy term is kept at weight 0 so every parameter still gets a gradient (DDP needs that);
+        # those zeros are dropped before the optimizer step
+        loss = (0.0 if critic_only else 1.0) * pg_loss + self.args.vf_coef * vf_loss
+        self.accelerator.backward(loss)
+        return pg_loss, pg_stats, vf_loss, vf_stats, entropy
+
+    def _shared_losses(self, inputs: dict, mb: Rollout, critic_only: bool):
+        """Shared base: the policy pass (adapter "policy") and the critic pass (adapter "critic"), each with its
+        backward inside its adapter context, since gradient checkpointing recomputes layers with the adapter
+        active at backward time. The gradients are the same as one backward of the summed loss (the two losses
+        share no trainable parameter). In critic warmup the policy pass runs without grad."""
+        T = mb.responses.shape[1]
+        with self.shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
+            logits = self.model(**inputs, logits_to_keep=T + 1, role="policy")
+            pg_loss, pg_stats, entropy = self._policy_terms(logits, mb)
+            del logits
+            if not critic_only:
+                self.accelerator.backward(pg_loss)
+        with self.shared.adapter("critic"):
+            values = self.model(**inputs, role="value")
+            vf_loss, vf_stats = self._value_terms(values, mb)
+            self.accelerator.backward(self.args.vf_coef * vf_loss)
+        return pg_loss.detach(), pg_stats, vf_loss.detach(), vf_stats, entropy
 
     # ------------------------------------------------------------------------------------------------ logging
     def metrics(self, rollout: Rollout, stats: dict[str, list[float]], kl_coef: float, warmup: bool) -> dict:
@@ -608,7 +691,14 @@ class PPOTrainer(TRLPPOTrainer):
 
     # ------------------------------------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy (its adapter, with peft) for inference; works under DDP (TRL 1.12 crashed there)."""
+        """Save the policy (its adapter, with peft) for inference; works under DDP (TRL 1.12 crashed there).
+        A shared base saves `policy/` and `critic/` (peft adapters) and `value_head.safetensors`."""
+        if self.shared is not None:
+            output_dir = output_dir or self.args.output_dir
+            if self.accelerator.is_main_process:
+                self.shared.save_pretrained(output_dir)
+                self.processing_class.save_pretrained(output_dir)
+            return
         backup = self.model
         self.model = self.unwrapped.policy
         if self.is_deepspeed_enabled:
@@ -629,9 +719,9 @@ class PPOTrainer(TRLPPOTrainer):
             "num_ppo_epochs": args.num_ppo_epochs, "response_length": args.response_length, "seed": args.seed,
             "num_prompts": self.train_dataset_len, "kl_controller": args.kl_controller,
             "peft": self.is_peft_model,
-            "policy_trainable_parameters": sum(p.numel() for p in wrapper.policy.parameters() if p.requires_grad),
-            "value_parameters": sum(p.numel() for p in wrapper.value_model.parameters()),
-        }
+            "policy_trainable_parameters": sum(p.numel() for p in wrapper.policy_parameters() if p.requires_grad),
+            "value_parameters": sum(p.numel() for p in wrapper.value_parameters()),
+        } | ({"shared_base": True} if self.shared is not None else {})
 
     def _should_evaluate(self) -> bool:
         steps = self.state.eval_steps or self.args.logging_steps
@@ -654,7 +744,7 @@ class PPOTrainer(TRLPPOTrainer):
             os.makedirs(staging)
         self._barrier()
         self.save_model(staging, _internal_call=True)  # the policy (its adapter, with peft)
-        if main:
+        if main and self.shared is None:  # (a shared base saved its critic adapter and value head above)
             self.unwrapped.value_model.save_pretrained(os.path.join(staging, VALUE_MODEL_DIR))
         self._save_optimizer_and_scheduler(staging)
         self._save_rng_state(staging)
@@ -689,11 +779,14 @@ class PPOTrainer(TRLPPOTrainer):
             saved = json.load(f)
         check_compatible(saved["settings"], self._run_settings(), checkpoint)
         wrapper = self.unwrapped
-        if self.is_peft_model:
-            load_adapter(wrapper.policy, checkpoint)
+        if self.shared is not None:
+            self.shared.load_trained(checkpoint)
         else:
-            load_weights(wrapper.policy, checkpoint)
-        load_weights(wrapper.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
+            if self.is_peft_model:
+                load_adapter(wrapper.policy, checkpoint)
+            else:
+                load_weights(wrapper.policy, checkpoint)
+            load_weights(wrapper.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
         self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
         self.kl_ctl.load_state_dict(saved["kl_controller"])
@@ -742,11 +835,9 @@ class PPOTrainer(TRLPPOTrainer):
             responses, response_mask = self._sample(queries, query_mask, seed, reference=False)
             ref_responses, ref_mask = self._sample(queries, query_mask, seed, reference=True)
             inputs = sequence_inputs(queries, query_mask, responses, response_mask)
-            Q = queries.shape[1]
             with self.accelerator.autocast():
-                logprobs = logprobs_from_logits(response_logits(self.unwrapped.policy, inputs, Q, args.temperature)
-                                                .float(), responses)
-                ref_logprobs = logprobs_from_logits(self._ref_logits(inputs, Q).float(), responses)
+                logprobs = response_logprobs(self.unwrapped.policy, inputs, responses, args.temperature)
+                ref_logprobs = self._ref_logprobs(inputs, responses)
                 kl = ((logprobs - ref_logprobs) * response_mask).sum(1)
                 columns = [kl]
                 extra = extra_columns(batch)
