@@ -9,7 +9,7 @@ KL penalty towards the SFT model. The defaults reproduce the 1B setting of
         github.com/vwxyzjn/summarize_from_feedback_details: `summarize_from_feedback_details/ppo_left_padding_new.py`
         (`Args`, `PpoHParams`) and `sbatches/ppo_left_padding.sbatch` (batch sizes per model size);
     [T] TRL's own version of this recipe, `examples/scripts/ppo/ppo_tldr.py` (models, dataset, launch lines), and
-        TRL 1.12's `PPOConfig` defaults, which were set from [H].
+        TRL 1.12's `PPOConfig` defaults, which follow [H].
 
 Defaults (each row is checked by tests/test_gpu_recipes.py against what the parser gives):
 
@@ -18,7 +18,7 @@ Defaults (each row is checked by tests/test_gpu_recipes.py against what the pars
 | `--sft_model_path` | `cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr` | [T]; [H]'s SFT checkpoint for Pythia-1B |
 | `--reward_model_path` | `cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr` | [T]; [H]'s reward model for Pythia-1B |
 | `--model_name_or_path` | `EleutherAI/pythia-1b-deduped` | [T]: the tokenizer comes from the base model |
-| `--dataset_name` | `trl-lib/tldr` | [T] (`prompt` column: [H]'s TL;DR queries, OpenAI's preprocessing) |
+| `--dataset_name` | `trl-lib/tldr` | [T] (`prompt` column: Reddit posts ending in "TL;DR:") |
 | `--dataset_test_split` | `validation` | [T] |
 | `--learning_rate` | `3e-6` | [H] `lr = 3e-6`; [T] |
 | `--lr_scheduler_type` | `linear` | [H] `lrnow = frac * args.lr`: linear decay to 0, no warmup |
@@ -35,7 +35,7 @@ Defaults (each row is checked by tests/test_gpu_recipes.py against what the pars
 | `--missing_eos_penalty` | `1.0` | the "EOS trick": [H] `non_eos_penalty=True`, `penalty_reward_value=-1`; [T] |
 | `--kl_coef` | `0.05` | [H] `kl_coef = 0.05` |
 | `--kl_estimator` | `k1` | [H] `kl = logprobs - ref_logprobs` |
-| `--whiten_rewards` | `False` | [H]'s released policies `vwxyzjn/EleutherAI_pythia-*-deduped__ppo_left_padding_new_nowhiten_reward__tldr` (`--ppo.no_whiten_rewards`; the script's own default is True); TRL's default |
+| `--whiten_rewards` | `False` | [H]'s released `..._ppo_left_padding_new_nowhiten_reward__tldr` runs (script default True) |
 | `--vf_coef` | `0.1` | [H] `vf_coef = 0.1` |
 | `--cliprange` | `0.2` | [H] `cliprange = 0.2` |
 | `--cliprange_value` | `0.2` | [H] `cliprange_value = 0.2` |
@@ -46,7 +46,7 @@ Defaults (each row is checked by tests/test_gpu_recipes.py against what the pars
 | `--eval_strategy` | `steps` | [T] `--eval_strategy steps --eval_steps 100` |
 | `--eval_steps` | `100` | [T] |
 | `--ds3_gather_for_generation` | `True` | TRL's default (see DeepSpeed ZeRO-3 below) |
-| value model | a second copy of the reward model, head kept | [H] `critic = ScalarModel.from_pretrained(reward_model_path)`; [T] |
+| value model | a second copy of the reward model, head kept | [H] `critic = ScalarModel.from_pretrained(rm_path)`; [T] |
 | reference policy | a frozen copy of the SFT model (with `--use_peft`: the policy with its adapter off) | [H], [T] |
 
 Differences from [H] worth knowing: [H] *replaces* the score of a summary without EOS by -1, trl_ext (like TRL)
@@ -55,10 +55,10 @@ EOS, which gives the same responses, masks and scores. [H] pads with a new `[PAD
 when the tokenizer has no pad token (trl_ext builds masks from positions, never from `== pad_token_id`, so pad == EOS
 is safe). `--critic_warmup_steps` (trl_ext) is 0, as in [H].
 
-Batch sizes for other sizes ([H] sbatch, 8 GPUs, 512 rollouts per PPO batch): Pythia-2.8B `--per_device_train_batch_size
-4 --gradient_accumulation_steps 16 --local_rollout_forward_batch_size 32`; Pythia-6.9B `1 / 64 / 4` with ZeRO-3. On
-fewer GPUs, keep the 512-rollout batch by raising `--gradient_accumulation_steps` (1 GPU, 1B: `--gradient_accumulation_steps
-32`), or accept a smaller batch. For 7-8B models on one GPU: `--use_peft --load_in_4bit` (QLoRA policy; the reference
+Batch sizes for other sizes ([H] sbatch, 8 GPUs, 512 rollouts per PPO batch): Pythia-2.8B
+`--per_device_train_batch_size 4 --gradient_accumulation_steps 16 --local_rollout_forward_batch_size 32`; Pythia-6.9B
+`1 / 64 / 4` with ZeRO-3. On fewer GPUs, keep the 512-rollout batch by raising `--gradient_accumulation_steps` (1 GPU,
+1B: 32), or accept a smaller batch. For 7-8B models on one GPU: `--use_peft --load_in_4bit` (QLoRA policy; the reference
 is the policy with its adapter off); the value model stays a full, trainable copy of the reward model.
 
 Run it (see recipes/accelerate_configs/README.md for every launch mode):
@@ -79,7 +79,11 @@ folder (`--dataset_name /path/to/prompts.jsonl`, a `prompt` column; a folder of 
 one saved with `DatasetDict.save_to_disk`). A single data file is the `train` split; pass `--eval_strategy no` or give
 a folder with a test split.
 
-It writes to `--output_dir`: the policy (or its LoRA adapter), the tokenizer, metrics.jsonl and samples.jsonl.
+It writes to `--output_dir`: the policy (or its LoRA adapter), the tokenizer, metrics.jsonl and samples.jsonl
+(always; `--report_to wandb` or `tensorboard` adds a tracker, the recipe's default is `none`). Mixed precision comes
+from `--bf16` (unset: bf16 wherever the GPU supports it), which the configs' `mixed_precision: bf16` matches.
+Arguments are parsed before any model loads, so under a DeepSpeed launch `TrainingArguments` has already set up ZeRO-3,
+which then partitions each model as it loads (untested: no GPU was available, see recipes/accelerate_configs/README.md).
 """
 
 from __future__ import annotations

@@ -205,6 +205,16 @@ def standins(tmp_path_factory):
     return root
 
 
+def test_load_in_4bit_loads_the_policy_in_nf4(standins):
+    """--use_peft --load_in_4bit (QLoRA for 7-8B policies on one GPU): the policy's linear layers are 4-bit NF4."""
+    pytest.importorskip("bitsandbytes")
+    script_args, _ = recipe.parse_args(["--use_peft", "--load_in_4bit"])
+    policy = recipe.load_policy(str(standins / "sft"), script_args)
+    q_proj = policy.model.layers[0].self_attn.q_proj
+    assert type(q_proj).__name__ == "Linear4bit" and q_proj.weight.quant_type == "nf4"
+    assert policy.is_loaded_in_4bit
+
+
 # ---------------------------------------------------------------------------------------------- hub errors
 
 
