@@ -1,0 +1,168 @@
+"""PPO runs on tiny models for tests/test_ddp.py, under `accelerate launch` (2 CPU processes) or as one process.
+
+    python tests/scripts/ddp_runs.py --out DIR --runs matched             # one process
+    ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 tests/scripts/ddp_runs.py --out DIR \
+        --runs matched,straight,interrupted,resumed
+
+Each run trains its own trainer in `DIR/<run>` and the main process writes `DIR/<run>.pt`: the policy's and the value
+model's weights (flattened) and the logged metrics of each step.
+
+- `matched`: a global batch of `GLOBAL_BATCH` prompts whatever the number of processes (per-device batch =
+  GLOBAL_BATCH / processes), with the two things that legitimately differ between N processes and one made equal
+  (`matched_sampling`): responses are sampled from an RNG stream seeded by the prompt and the iteration (each process
+  otherwise samples with its own stream), and advantages are whitened with statistics over all processes (each
+  process otherwise whitens its own share, as TRL does). Responses have no stop token, so every process holds the
+  same number of response tokens and the mean of the processes' per-token loss means is the global mean.
+- `straight`: 4 iterations, default sampling; `interrupted`: the same settings, a checkpoint every iteration, stopped
+  after 2; `resumed`: a fresh trainer resumed from `interrupted`'s checkpoint-2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import zlib
+from contextlib import contextmanager
+
+import torch
+import torch.distributed as dist
+from transformers import TrainerCallback
+
+import trl_ext.trainer as trainer_module
+from trl_ext import PPOConfig, PPOTrainer
+from trl_ext.core import masked_whiten
+from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+
+GLOBAL_BATCH = 8
+MATCHED_STEPS = 3
+RESUME_STEPS = 4
+
+
+def _world() -> int:
+    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+
+
+_ROLLOUTS = [0]  # rollouts sampled so far by `seeded_generate` in this process
+
+
+def seeded_generate(policy, queries, query_mask, generation_config, pad_token_id, chunk_size):
+    """Drop-in for `generate_responses`: each row sampled on its own, unpadded, from an RNG stream seeded by its
+    prompt ids and the rollout number, so a prompt gets the same response whichever process and batch it is in."""
+    rollout_number = _ROLLOUTS[0]
+    _ROLLOUTS[0] += 1
+    T = generation_config.max_new_tokens
+    out = torch.full((queries.shape[0], T), pad_token_id, dtype=queries.dtype, device=queries.device)
+    for i, (q, m) in enumerate(zip(queries, query_mask.bool())):
+        ids = q[m][None]  # (1, real prompt length)
+        seed = zlib.crc32(f"{ids.tolist()}|{rollout_number}".encode())
+        with torch.random.fork_rng():
+            torch.manual_seed(seed)
+            seq = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
+                                  generation_config=generation_config)
+        response = seq[0, ids.shape[1]:]
+        out[i, : response.shape[0]] = response
+    return out
+
+
+def global_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+    """`masked_whiten` with the mean and the (unbiased) variance taken over the masked entries of all processes."""
+    if _world() == 1:
+        return masked_whiten(values, mask, shift_mean)
+    m = mask.bool()
+    total = torch.stack([values[m].sum(), m.sum().to(values.dtype)])
+    dist.all_reduce(total)
+    mean = total[0] / total[1]
+    squares = ((values - mean)[m] ** 2).sum()
+    dist.all_reduce(squares)
+    var = squares / total[1] * total[1] / (total[1] - 1)
+    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
+    if not shift_mean:
+        whitened = whitened + mean
+    return whitened * m
+
+
+@contextmanager
+def matched_sampling():
+    saved = trainer_module.generate_responses, trainer_module.masked_whiten
+    trainer_module.generate_responses, trainer_module.masked_whiten = seeded_generate, global_whiten
+    _ROLLOUTS[0] = 0
+    try:
+        yield
+    finally:
+        trainer_module.generate_responses, trainer_module.masked_whiten = saved
+
+
+class StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+def build(out_dir: str, per_device: int, steps: int, callbacks=(), **overrides) -> PPOTrainer:
+    tok = tiny_tokenizer()
+    kwargs = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
+                  num_mini_batches=1, num_ppo_epochs=2, total_episodes=steps * GLOBAL_BATCH, response_length=6,
+                  learning_rate=3e-3, kl_coef=0.1, kl_controller="adaptive", kl_target=0.05, kl_horizon=16,
+                  report_to=[], save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True,
+                  logging_steps=1, seed=5, gradient_checkpointing=False)
+    kwargs.update(overrides)
+    return PPOTrainer(args=PPOConfig(**kwargs), processing_class=tok, model=tiny_causal_lm(tok, seed=0),
+                      ref_model=None, reward_model=tiny_scalar_model(tok, seed=2),
+                      train_dataset=tiny_prompt_dataset(tok, n=3 * GLOBAL_BATCH, seed=1),
+                      value_model=tiny_scalar_model(tok, seed=1), callbacks=list(callbacks))
+
+
+def flat(module) -> torch.Tensor:
+    return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
+
+
+def summary(trainer: PPOTrainer) -> dict:
+    return {"policy": flat(trainer.unwrapped.policy), "value": flat(trainer.unwrapped.value_model),
+            "logs": [h for h in trainer.state.log_history if "objective/scores" in h],
+            "global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes}
+
+
+def run(name: str, out: str) -> dict:
+    per_device = GLOBAL_BATCH // _world_size_hint()
+    run_dir = os.path.join(out, name)
+    if name == "matched":
+        with matched_sampling():
+            t = build(run_dir, per_device, MATCHED_STEPS, stop_token="none")
+            t.train()
+    elif name == "straight":
+        t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1)
+        t.train()
+    elif name == "interrupted":
+        t = build(run_dir, per_device, RESUME_STEPS, callbacks=[StopAt(2)], critic_warmup_steps=1,
+                  save_strategy="steps", save_steps=1)
+        t.train()
+    elif name == "resumed":
+        t = build(os.path.join(out, "interrupted"), per_device, RESUME_STEPS, critic_warmup_steps=1,
+                  save_strategy="steps", save_steps=1)
+        t.train(resume_from_checkpoint=os.path.join(out, "interrupted", "checkpoint-2"))
+    else:
+        raise ValueError(f"unknown run {name!r}: choose from matched, straight, interrupted, resumed")
+    result = summary(t)
+    if t.accelerator.is_main_process:
+        torch.save(result, os.path.join(out, f"{name}.pt"))
+    t.accelerator.wait_for_everyone()
+    return result
+
+
+def _world_size_hint() -> int:
+    """The number of processes before any trainer exists (accelerate launch sets WORLD_SIZE)."""
+    return int(os.environ.get("WORLD_SIZE", "1"))
+
+
+if __name__ == "__main__":
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--out", required=True)
+    parser.add_argument("--runs", default="matched")
+    cli = parser.parse_args()
+    for name in cli.runs.split(","):
+        run(name, cli.out)
+    if int(os.environ.get("RANK", "0")) == 0:
+        print("RUNS DONE")
