@@ -1,0 +1,114 @@
+"""benchmarks/bench_vs_trl.py: the arithmetic of its tables (medians, ratios, slopes, exclusive phase times) on
+hand-made inputs, and that the functions it times still exist in both trainers."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[1]
+_spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "benchmarks" / "bench_vs_trl.py")
+bench = importlib.util.module_from_spec(_spec)
+sys.modules["bench_vs_trl"] = bench  # dataclasses look their module up
+_spec.loader.exec_module(bench)
+
+
+def make_run(trainer, seconds, phases=None, growth=100.0, T=8, B=4, mode="plain", model="tiny", warmup=1):
+    phases = phases or {}
+    return {
+        "case": dict(model=model, trainer=trainer, mode=mode, response_length=T, batch_size=B,
+                     iterations=len(seconds) - warmup, warmup=warmup, device="cpu", num_ppo_epochs=2),
+        "iterations": [{"seconds": s, "phases": {p: phases.get(p, [0.0] * len(seconds))[i] for p in bench.PHASES}}
+                       for i, s in enumerate(seconds)],
+        "tokens_per_iteration": T * B, "peak_growth_mb": growth, "optimizer_state_mb": 1.5,
+    }
+
+
+def test_summary_drops_warmup_and_takes_medians():
+    run = make_run("trl_ext", [10.0, 1.0, 3.0, 2.0], phases={"generation": [9.0, 0.5, 1.0, 0.7]}, T=8, B=4)
+    s = bench.summarize(run)
+    assert s["seconds_per_iteration"] == 2.0  # median of 1, 3, 2 (the 10 s warmup iteration dropped)
+    assert s["phases"]["generation"] == 0.7
+    assert s["tokens_per_second"] == 32 / 2.0
+    with pytest.raises(ValueError, match="none after warmup=1"):
+        bench.summarize(make_run("trl", [1.0]))
+
+
+def test_ratios_are_ours_over_trls():
+    ours = bench.summarize(make_run("trl_ext", [9.0, 2.0, 2.0], phases={"update": [0, 1.0, 1.0]}, growth=60.0))
+    theirs = bench.summarize(make_run("trl", [9.0, 4.0, 4.0], phases={"update": [0, 4.0, 4.0]}, growth=200.0))
+    unpaired = bench.summarize(make_run("trl", [1.0, 1.0], T=16))
+    rows = bench.pair_up([ours, theirs, unpaired])
+    assert len(rows) == 1  # the T=16 point has no trl_ext run
+    row = rows[0]
+    assert row["time_ratio"] == 0.5
+    assert row["phases"]["update"]["ratio"] == 0.25
+    assert row["phases"]["reward"]["ratio"] is None  # TRL's reward time is 0: no ratio
+    assert row["memory_ratio"] == 0.3
+    assert row["tokens_per_second"] == {"trl_ext": 16.0, "trl": 8.0}
+    table = bench.markdown(rows, [])
+    assert "| tiny | plain | 8 | 4 | 2.000 | 4.000 | **0.50** |" in table
+    assert "| **0.30** |" in table and "(–)" in table
+
+
+def test_fit_line_by_hand():
+    exact = bench.fit_line([32, 64, 128], [3 * 32 + 5, 3 * 64 + 5, 3 * 128 + 5])
+    assert exact["slope"] == pytest.approx(3.0) and exact["intercept"] == pytest.approx(5.0)
+    assert exact["r2"] == pytest.approx(1.0)
+    # y = 0, 2, 1 at x = 0, 1, 2: slope 0.5, intercept 0.5, residuals -0.5, 1, -0.5 -> R² = 1 - 1.5/2
+    noisy = bench.fit_line([0, 1, 2], [0, 2, 1])
+    assert (noisy["slope"], noisy["intercept"], noisy["r2"]) == pytest.approx((0.5, 0.5, 0.25))
+    with pytest.raises(ValueError, match="at least 2 distinct x"):
+        bench.fit_line([4, 4], [1, 2])
+
+
+def test_memory_slopes_per_trainer_against_length_and_batch():
+    runs = [make_run("trl", [1, 1], T=T, B=B, growth=g)
+            for T, B, g in [(32, 8, 100), (64, 8, 164), (128, 8, 292), (64, 4, 100), (64, 16, 292)]]
+    runs.append(make_run("trl", [1, 1], T=64, B=8, mode="extras", growth=999))  # extras mode: not in the fit
+    slopes = bench.memory_slopes([bench.summarize(r) for r in runs])
+    by_x = {s["x"]: s for s in slopes}
+    assert by_x["response_length"]["at"] == {"batch_size": 8}
+    assert by_x["response_length"]["slope"] == pytest.approx(2.0)  # (292 - 100) / (128 - 32)
+    assert by_x["batch_size"]["at"] == {"response_length": 64}
+    assert by_x["batch_size"]["slope"] == pytest.approx(16.0)  # (292 - 100) / (16 - 4)
+    assert by_x["batch_size"]["points"] == [(4, 100), (8, 164), (16, 292)]
+
+
+def test_phase_clock_times_are_exclusive(monkeypatch):
+    now = [0.0]
+    monkeypatch.setattr(bench.time, "perf_counter", lambda: now[0])
+    clock = bench.PhaseClock()
+    clock.start("update")          # t=0
+    now[0] = 2.0
+    with clock.phase("reference"):  # t=2..5: reference, update paused
+        now[0] = 5.0
+    now[0] = 6.0
+    clock.stop("update")
+    assert dict(clock.totals) == {"update": 3.0, "reference": 3.0}
+    assert not clock.is_open("update")
+
+
+def test_plan_pairs_both_trainers_and_alternates_their_order():
+    cases = bench.plan(["tiny"], "cpu")
+    pairs = [cases[i : i + 2] for i in range(0, len(cases), 2)]
+    assert all({a.trainer, b.trainer} == {"trl_ext", "trl"} and a.point == b.point for a, b in pairs)
+    assert [p[0].trainer for p in pairs[:3]] == ["trl_ext", "trl", "trl_ext"]
+    assert {(c.mode, c.response_length, c.batch_size) for c in cases} >= {("plain", 64, 8), ("extras", 64, 8),
+                                                                          ("plain", 256, 8), ("plain", 64, 16)}
+
+
+def test_the_timed_functions_exist_in_both_trainers():
+    """If a trainer is refactored and a timed function disappears, its time would silently move to `other`."""
+    import trl.experimental.ppo.ppo_trainer as trl_ppo
+
+    import trl_ext.models
+    import trl_ext.rewards
+    import trl_ext.trainer
+
+    for owner, name in [(trl_ppo, "batch_generation"), (trl_ppo, "get_reward"), (trl_ppo, "forward"),
+                        (trl_ext.trainer, "generate_responses"), (trl_ext.models.PolicyAndValueWrapper, "forward"),
+                        (trl_ext.rewards.RewardScorer, "__call__"), (trl_ext.trainer.PPOTrainer, "ppo_update")]:
+        assert hasattr(owner, name), f"{owner.__name__}.{name}"
+    assert any(hasattr(trl_ext.trainer.PPOTrainer, n) for n in ("_ref_logprobs", "_ref_logits"))
