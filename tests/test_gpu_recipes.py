@@ -373,3 +373,31 @@ def test_recipe_trains_end_to_end_on_cpu(standins, tmp_path):
     assert before.keys() == after.keys()
     assert any(not (before[k] == after[k]).all() for k in before)
     assert (out / "tokenizer.json").is_file()
+
+
+@pytest.mark.slow
+def test_recipe_under_the_multi_gpu_config_with_two_cpu_processes(standins, tmp_path):
+    """`multi_gpu.yaml` (DDP) with 2 processes on CPU (gloo): each PPO step gathers 2 x 4 rollouts, every process
+    evaluates its share of the prompts, rank 0 saves. ~35 s on 2 busy cores."""
+    out = tmp_path / "run"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", "--config_file", str(CONFIGS / "multi_gpu.yaml"),
+           "--num_processes", "2", "--mixed_precision", "no", str(RECIPE),
+           "--output_dir", str(out), "--model_name_or_path", str(standins / "sft"),
+           "--sft_model_path", str(standins / "sft"), "--reward_model_path", str(standins / "rm"),
+           "--dataset_name", str(standins / "data"), "--eval_samples", "4", "--per_device_eval_batch_size", "2",
+           "--eval_steps", "1", "--total_episodes", "16", "--per_device_train_batch_size", "4",
+           "--gradient_accumulation_steps", "1", "--local_rollout_forward_batch_size", "4", "--response_length", "8",
+           "--num_ppo_epochs", "1", "--save_strategy", "no", "--disable_tqdm", "True"]
+    # ACCELERATE_USE_CPU: DDP over gloo on CPU (`--cpu` with --num_processes 2 would start one process)
+    env = {**os.environ, "HF_HUB_OFFLINE": "1", "ACCELERATE_USE_CPU": "true"}
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, env=env, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "2 steps x 8 rollouts (2 process(es))" in proc.stdout
+    assert proc.stdout.count("[recipe] done: 2 steps") == 1  # printed by rank 0 only
+
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [(r["step"], r["episode"]) for r in records] == [(1, 8), (2, 16)]
+    for r in records:
+        for key in ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "eval/score"):
+            assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
+    assert (out / "model.safetensors").is_file()
