@@ -25,8 +25,10 @@ def test_notebook_outputs_stripped(path):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.name)
-def test_notebook_executes(path):
+def test_notebook_executes(path, monkeypatch):
     from nbclient import NotebookClient
+
+    monkeypatch.setenv("TRL_EXT_NOTEBOOK_QUICK", "1")  # the kernel inherits it: 03_quickstart runs a shortened run
 
     nb = nbformat.read(path, as_version=4)
     # raises CellExecutionError (failing the test) if any cell errors, including a failed assert
