@@ -494,6 +494,29 @@ def build_shared_base(base_model: nn.Module, policy_lora, critic_lora=None, rewa
     return SharedBaseModels(peft_model, value_head, reward_head)
 
 
+def is_quantized(model) -> bool:
+    """Loaded in 4-bit or 8-bit by bitsandbytes (through a peft wrapper too)."""
+    base = _underlying(model) if isinstance(model, nn.Module) else model
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
+def lora_for_quantized_value_model(value_model, peft_config=None):
+    """A 4-bit/8-bit value model without adapters gets LoRA (all linear layers; its `score` head trained as peft's
+    modules_to_save) instead of being trained as is: TRL trains such a model's unquantized embeddings, norms and head
+    in full (gigabytes of optimizer state on a 7B) while its quantized weights cannot move. The rank follows the
+    policy's `peft_config` (r, lora_alpha) if it is a LoraConfig, else r=16, alpha=32. Any other model is returned
+    unchanged."""
+    from peft import LoraConfig, PeftModel, get_peft_model
+
+    if not isinstance(value_model, nn.Module) or isinstance(value_model, PeftModel) or not is_quantized(value_model):
+        return value_model
+    r, alpha = (peft_config.r, peft_config.lora_alpha) if isinstance(peft_config, LoraConfig) else (16, 32)
+    config = LoraConfig(r=r, lora_alpha=alpha, lora_dropout=0.0, target_modules="all-linear", task_type="SEQ_CLS")
+    print(f"[trl_ext] the value model is quantized: training LoRA (r={r}, all linear layers) and its score head, "
+          "not its embeddings and norms")
+    return get_peft_model(value_model, config)
+
+
 def build_value_model(init: str, head_init: str | None, value_model, policy, reward_model):
     """The critic a run trains, chosen by `PPOConfig.value_model_init`:
 

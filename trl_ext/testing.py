@@ -93,3 +93,25 @@ def tiny_prompt_dataset(tokenizer, n: int = 16, seed: int = 0, min_words: int = 
         texts.append(" ".join(f"w{i}" for i in idx))
     ds = Dataset.from_dict({"prompt": texts})
     return ds.map(lambda row: {"input_ids": tokenizer(row["prompt"])["input_ids"]}, remove_columns=["prompt"])
+
+
+def quantized_4bit(model_class, folder, **kwargs):
+    """Load a saved model folder in bitsandbytes nf4 (compute dtype fp32; bitsandbytes runs nf4 on CPU), with the
+    AVX512-BF16 in-place repacking of its 4-bit weights turned off (see trl_ext.models.disable_bnb_cpu_repack)."""
+    from transformers import BitsAndBytesConfig
+
+    from .models import disable_bnb_cpu_repack
+
+    config = BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type="nf4", bnb_4bit_compute_dtype=torch.float32)
+    model = model_class.from_pretrained(str(folder), quantization_config=config, dtype=torch.float32, **kwargs)
+    disable_bnb_cpu_repack(model)
+    return model
+
+
+def tiny_4bit_causal_lm(tokenizer, folder, seed: int = 0, **overrides):
+    """The tiny Llama policy (hidden 64: wide enough for bitsandbytes' 64-value blocks on every path), saved to
+    `folder` and loaded back in nf4. Returns the 4-bit model; `folder` holds its full-precision weights."""
+    kwargs = dict(hidden_size=64, intermediate_size=128)
+    kwargs.update(overrides)
+    tiny_causal_lm(tokenizer, seed=seed, **kwargs).save_pretrained(str(folder))
+    return quantized_4bit(AutoModelForCausalLM, folder)

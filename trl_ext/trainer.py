@@ -61,6 +61,8 @@ from .models import (
     build_value_model,
     disable_bnb_cpu_repack,
     generate_responses,
+    is_quantized,
+    lora_for_quantized_value_model,
     response_logprobs,
     sampling_config,
     sequence_inputs,
@@ -184,6 +186,10 @@ class PPOTrainer(TRLPPOTrainer):
                                  "adapter first, or pass the PeftModel without `peft_config`.")
             self.policy_model = get_peft_model(self.policy_model, peft_config)
         self.is_peft_model = is_peft_available() and isinstance(self.policy_model, PeftModel)
+        if is_quantized(self.policy_model) and not self.is_peft_model:
+            raise ValueError("The policy is loaded in 4-bit/8-bit and has no adapter, so PPO could train only its "
+                             "unquantized embeddings and norms: pass a peft_config (e.g. LoraConfig(r=16, "
+                             "target_modules='all-linear')), or use trl_ext.models.build_shared_base.")
         self.model_adapter_name = args.model_adapter_name
         self.ref_adapter_name = args.ref_adapter_name
 
@@ -210,6 +216,8 @@ class PPOTrainer(TRLPPOTrainer):
         else:
             self.value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, model,
                                                  reward_model)
+            # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
+            self.value_model = lora_for_quantized_value_model(self.value_model, peft_config)
         self.data_collator = data_collator
         self.eval_dataset = eval_dataset
         self.optimizer, self.lr_scheduler = optimizers
@@ -786,7 +794,10 @@ class PPOTrainer(TRLPPOTrainer):
                 load_adapter(wrapper.policy, checkpoint)
             else:
                 load_weights(wrapper.policy, checkpoint)
-            load_weights(wrapper.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
+            if is_peft_available() and isinstance(wrapper.value_model, PeftModel):  # a quantized critic's LoRA
+                load_adapter(wrapper.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
+            else:
+                load_weights(wrapper.value_model, os.path.join(checkpoint, VALUE_MODEL_DIR))
         self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
         self.kl_ctl.load_state_dict(saved["kl_controller"])
