@@ -12,14 +12,14 @@ the tables.
 
 What is timed, per iteration (exclusive times: a phase nested in another is taken out of the outer one):
 
-| phase | trl_ext | TRL 1.12 |
-|---|---|---|
-| generation | `generate_responses` | `batch_generation` |
-| critic | the policy+value forward of the rollout (log-probs and values in one pass) | `get_reward(value_model, ...)` (TRL takes log-probs from the generation scores) |
-| reference | `PPOTrainer._ref_logprobs` | `forward(ref_policy / policy with adapter off, ...)` under no_grad |
-| reward | `RewardScorer.__call__` | `get_reward(reward_model, ...)` |
-| update | `PPOTrainer.ppo_update` | from the first training forward of the iteration to its `log` call |
-| other | the rest of the iteration: masks, rewards, GAE, metrics, callbacks (metrics file, alarms), logging | the same, and TRL's `gc.collect()` / `empty_cache()` |
+- generation: trl_ext `generate_responses`; TRL `batch_generation`.
+- critic: trl_ext the rollout's policy+value forward (log-probs and values in one pass); TRL
+  `get_reward(value_model, ...)` (TRL takes the rollout log-probs from the generation scores, no policy pass).
+- reference: trl_ext `PPOTrainer._ref_logprobs`; TRL `forward(ref_policy, ...)` under no_grad.
+- reward: trl_ext `RewardScorer.__call__`; TRL `get_reward(reward_model, ...)`.
+- update: trl_ext `PPOTrainer.ppo_update`; TRL from the first training forward of the iteration to its `log` call.
+- other: the rest of the iteration (masks, rewards, GAE, metrics, callbacks such as the metrics file and alarms,
+  logging; for TRL also its `gc.collect()` and `empty_cache()` calls).
 
 Peak memory growth: on CPU, the peak resident set size (VmHWM, reset by writing 5 to /proc/self/clear_refs right
 before `train()`) minus the resident set size just before `train()` (the models, the trainer, the imports); on CUDA,
@@ -91,9 +91,10 @@ class Case:
 # (model) -> reference point (T, B) run in both modes; extra lengths and batch sizes run in plain mode (memory slopes)
 PLAN = {
     "tiny": dict(ref=(64, 8), lengths=(32, 128, 256), batches=(4, 16), iterations=4),
-    "tiny49k": dict(ref=(64, 8), lengths=(32, 128, 256), batches=(4, 16), iterations=3),
+    "tiny49k": dict(ref=(64, 8), lengths=(32, 128, 256), batches=(4, 16), iterations=2),
     "small": dict(ref=(32, 4), lengths=(64,), batches=(), iterations=2),
 }
+FULL_PLAN = {**PLAN, "small": dict(ref=(32, 4), lengths=(64, 128, 256), batches=(8,), iterations=2)}
 QUICK_PLAN = {
     "tiny": dict(ref=(16, 4), lengths=(32,), batches=(8,), iterations=2),
     "tiny49k": dict(ref=(16, 4), lengths=(32,), batches=(8,), iterations=2),
@@ -101,11 +102,11 @@ QUICK_PLAN = {
 }
 
 
-def plan(models: list[str], device: str, quick: bool = False) -> list[Case]:
+def plan(models: list[str], device: str, quick: bool = False, full: bool = False) -> list[Case]:
     """The runs, paired: for each point, trl_ext and TRL back to back, the order alternating from point to point."""
     cases = []
     for model in models:
-        p = (QUICK_PLAN if quick else PLAN)[model]
+        p = (QUICK_PLAN if quick else FULL_PLAN if full else PLAN)[model]
         T0, B0 = p["ref"]
         points = [("plain", T0, B0), ("extras", T0, B0)]
         points += [("plain", T, B0) for T in p["lengths"]] + [("plain", T0, B) for B in p["batches"]]
@@ -358,16 +359,16 @@ def run_case(case: Case) -> dict:
         trainer = build_trainer(case, out, models)
         clock = PhaseClock(cuda=cuda)
         patched = (instrument_trl if case.trainer == "trl" else instrument_trl_ext)(trainer, clock)
-        marks: list[tuple[float, dict]] = []
+        marks: list[tuple[float, float, dict]] = []  # (wall, process CPU time, phase totals)
 
         class Mark(TrainerCallback):
             def on_train_begin(self, args, state, control, **kwargs):
-                marks.append((time.perf_counter(), dict(clock.totals)))
+                marks.append((time.perf_counter(), time.process_time(), dict(clock.totals)))
 
             def on_step_end(self, args, state, control, **kwargs):
                 if cuda:
                     torch.cuda.synchronize()
-                marks.append((time.perf_counter(), dict(clock.totals)))
+                marks.append((time.perf_counter(), time.process_time(), dict(clock.totals)))
 
         trainer.add_callback(Mark())
         del models
@@ -388,11 +389,11 @@ def run_case(case: Case) -> dict:
         trained_params = sum(p.numel() for p in trainer.model.parameters() if p.requires_grad)
 
     iterations = []
-    for (t0, before), (t1, after) in zip(marks, marks[1:]):
+    for (t0, c0, before), (t1, c1, after) in zip(marks, marks[1:]):
         wall = t1 - t0
         phases = {name: after.get(name, 0.0) - before.get(name, 0.0) for name in PHASES if name != "other"}
         phases["other"] = wall - sum(phases.values())
-        iterations.append({"seconds": wall, "phases": phases})
+        iterations.append({"seconds": wall, "cpu_seconds": c1 - c0, "phases": phases})
     return {
         "case": asdict(case), "iterations": iterations, "phase_calls": dict(clock.calls), "patched": patched,
         "tokens_per_iteration": case.batch_size * case.response_length,
@@ -415,6 +416,7 @@ def summarize(run: dict) -> dict:
     return {
         **case,
         "seconds_per_iteration": seconds,
+        "cpu_seconds_per_iteration": statistics.median(it["cpu_seconds"] for it in kept),
         "phases": {name: statistics.median(it["phases"][name] for it in kept) for name in PHASES},
         "tokens_per_second": run["tokens_per_iteration"] / seconds,
         "peak_growth_mb": run["peak_growth_mb"],
@@ -440,6 +442,8 @@ def pair_up(summaries: list[dict]) -> list[dict]:
             "model": model, "mode": mode, "response_length": T, "batch_size": B,
             "seconds": {"trl_ext": ours["seconds_per_iteration"], "trl": theirs["seconds_per_iteration"]},
             "time_ratio": _ratio(ours["seconds_per_iteration"], theirs["seconds_per_iteration"]),
+            "cpu_seconds": {"trl_ext": ours["cpu_seconds_per_iteration"], "trl": theirs["cpu_seconds_per_iteration"]},
+            "cpu_time_ratio": _ratio(ours["cpu_seconds_per_iteration"], theirs["cpu_seconds_per_iteration"]),
             "phases": {name: {"trl_ext": ours["phases"][name], "trl": theirs["phases"][name],
                               "ratio": _ratio(ours["phases"][name], theirs["phases"][name])} for name in PHASES},
             "tokens_per_second": {"trl_ext": ours["tokens_per_second"], "trl": theirs["tokens_per_second"]},
@@ -494,21 +498,23 @@ def _fmt(x, spec=".2f") -> str:
 def markdown(rows: list[dict], slopes: list[dict], header: str = "") -> str:
     """The tables: per-iteration time and memory with ratios ours/TRL; time per phase; memory slopes."""
     lines = [header] if header else []
-    lines += ["| model | mode | T | B | s/iter trl_ext | s/iter TRL | time ratio | tokens/s trl_ext | tokens/s TRL | "
-              "peak growth MB trl_ext | peak growth MB TRL | memory ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|"]
+    lines += ["| model | mode | T | B | s/iter trl_ext | s/iter TRL | time ratio | CPU-time ratio | tokens/s trl_ext | "
+              "tokens/s TRL | peak growth MB trl_ext | peak growth MB TRL | memory ratio |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
-        lines.append(
-            f"| {r['model']} | {r['mode']} | {r['response_length']} | {r['batch_size']} | {_fmt(r['seconds']['trl_ext'], '.3f')} "
-            f"| {_fmt(r['seconds']['trl'], '.3f')} | **{_fmt(r['time_ratio'])}** | {_fmt(r['tokens_per_second']['trl_ext'], '.0f')} "
-            f"| {_fmt(r['tokens_per_second']['trl'], '.0f')} | {_fmt(r['peak_growth_mb']['trl_ext'], '.0f')} "
-            f"| {_fmt(r['peak_growth_mb']['trl'], '.0f')} | **{_fmt(r['memory_ratio'])}** |")
+        point = f"| {r['model']} | {r['mode']} | {r['response_length']} | {r['batch_size']} |"
+        cells = [_fmt(r["seconds"]["trl_ext"], ".3f"), _fmt(r["seconds"]["trl"], ".3f"), f"**{_fmt(r['time_ratio'])}**",
+                 _fmt(r["cpu_time_ratio"]), _fmt(r["tokens_per_second"]["trl_ext"], ".0f"),
+                 _fmt(r["tokens_per_second"]["trl"], ".0f"), _fmt(r["peak_growth_mb"]["trl_ext"], ".0f"),
+                 _fmt(r["peak_growth_mb"]["trl"], ".0f"), f"**{_fmt(r['memory_ratio'])}**"]
+        lines.append(f"{point} " + " | ".join(cells) + " |")
     lines += ["", "Seconds per iteration by phase, trl_ext / TRL (ratio):", "",
               "| model | mode | T | B | " + " | ".join(PHASES) + " |", "|---|---|---|---|" + "---|" * len(PHASES)]
     for r in rows:
         cells = [f"{_fmt(r['phases'][p]['trl_ext'], '.3f')} / {_fmt(r['phases'][p]['trl'], '.3f')} "
                  f"({_fmt(r['phases'][p]['ratio'])})" for p in PHASES]
-        lines.append(f"| {r['model']} | {r['mode']} | {r['response_length']} | {r['batch_size']} | " + " | ".join(cells) + " |")
+        point = f"| {r['model']} | {r['mode']} | {r['response_length']} | {r['batch_size']} |"
+        lines.append(f"{point} " + " | ".join(cells) + " |")
     if slopes:
         lines += ["", "Peak memory growth, linear fit (plain mode):", "",
                   "| model | trainer | against | at | slope | R² | points (x, MB) |", "|---|---|---|---|---|---|---|"]
@@ -555,6 +561,10 @@ def main(argv=None) -> None:
     parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     parser.add_argument("--out", default=None, help="output folder (default benchmarks/results/<device>-<date>)")
     parser.add_argument("--quick", action="store_true", help="a few short runs (to check the script, not to measure)")
+    parser.add_argument("--full", action="store_true",
+                        help="also SmolLM2-135M at response lengths 128 and 256 and batch 8 (~15 more minutes on CPU)")
+    parser.add_argument("--threads", type=int, default=None,
+                        help="torch threads per run (OMP_NUM_THREADS); default: torch's own choice")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
@@ -576,7 +586,11 @@ def main(argv=None) -> None:
     today = datetime.date.today().isoformat()
     out = Path(cli.out or ROOT / "benchmarks" / "results" / f"{cli.device}-{today}")
     (out / "logs").mkdir(parents=True, exist_ok=True)
-    cases = plan(models, cli.device, cli.quick)
+    if cli.threads is not None:
+        if cli.threads < 1:
+            parser.error(f"--threads {cli.threads}: must be >= 1")
+        os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cli.threads)
+    cases = plan(models, cli.device, cli.quick, cli.full)
     started = time.time()
     runs = []
     for i, case in enumerate(cases, 1):

@@ -19,7 +19,8 @@ def make_run(trainer, seconds, phases=None, growth=100.0, T=8, B=4, mode="plain"
     return {
         "case": dict(model=model, trainer=trainer, mode=mode, response_length=T, batch_size=B,
                      iterations=len(seconds) - warmup, warmup=warmup, device="cpu", num_ppo_epochs=2),
-        "iterations": [{"seconds": s, "phases": {p: phases.get(p, [0.0] * len(seconds))[i] for p in bench.PHASES}}
+        "iterations": [{"seconds": s, "cpu_seconds": 2 * s,
+                        "phases": {p: phases.get(p, [0.0] * len(seconds))[i] for p in bench.PHASES}}
                        for i, s in enumerate(seconds)],
         "tokens_per_iteration": T * B, "peak_growth_mb": growth, "optimizer_state_mb": 1.5,
     }
@@ -29,6 +30,7 @@ def test_summary_drops_warmup_and_takes_medians():
     run = make_run("trl_ext", [10.0, 1.0, 3.0, 2.0], phases={"generation": [9.0, 0.5, 1.0, 0.7]}, T=8, B=4)
     s = bench.summarize(run)
     assert s["seconds_per_iteration"] == 2.0  # median of 1, 3, 2 (the 10 s warmup iteration dropped)
+    assert s["cpu_seconds_per_iteration"] == 4.0
     assert s["phases"]["generation"] == 0.7
     assert s["tokens_per_second"] == 32 / 2.0
     with pytest.raises(ValueError, match="none after warmup=1"):
@@ -48,7 +50,8 @@ def test_ratios_are_ours_over_trls():
     assert row["memory_ratio"] == 0.3
     assert row["tokens_per_second"] == {"trl_ext": 16.0, "trl": 8.0}
     table = bench.markdown(rows, [])
-    assert "| tiny | plain | 8 | 4 | 2.000 | 4.000 | **0.50** |" in table
+    assert row["cpu_time_ratio"] == 0.5
+    assert "| tiny | plain | 8 | 4 | 2.000 | 4.000 | **0.50** | 0.50 |" in table
     assert "| **0.30** |" in table and "(–)" in table
 
 
