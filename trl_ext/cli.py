@@ -1,11 +1,17 @@
 """The ``trl-ext`` command line.
 
     trl-ext report RUN_DIR               # or: python -m trl_ext.cli report RUN_DIR
+    trl-ext estimate-memory CONFIG [--model PRESET|config.json] [--json]
 
 ``report`` prints a summary of ``RUN_DIR/metrics.jsonl`` (start vs end of the key metrics, alarms raised) and writes
 ``RUN_DIR/dashboard.png``; the last line printed is the PNG's path.
 
-Exit codes: 0 done; 1 metrics.jsonl is malformed; 2 usage error, or the folder or its metrics.jsonl does not exist.
+``estimate-memory`` prints the memory planner's table (trl_ext/memory.py) for a recipe's plan (a YAML/JSON file of
+PlanConfig fields, e.g. recipes/qlora_7b/shared_16gb.yaml) and a model: ``--model``, else the file's ``model`` key
+(a preset: llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b; or a config.json). ``--json`` prints it as JSON.
+
+Exit codes: 0 done; 1 metrics.jsonl is malformed; 2 usage error, or the folder or its metrics.jsonl does not exist,
+or (estimate-memory) the plan file or the model is missing or invalid.
 """
 
 from __future__ import annotations
@@ -24,7 +30,35 @@ def _parser() -> argparse.ArgumentParser:
         "a PNG dashboard to RUN_DIR/dashboard.png.",
     )
     rep.add_argument("run_dir", metavar="RUN_DIR", help="a trl_ext run's output_dir (holds metrics.jsonl)")
+    est = sub.add_parser(
+        "estimate-memory",
+        help="estimate the GPU memory of a PPO recipe (per component and phase) and whether it fits 24/16/12 GB",
+        description="Print the memory planner's table for CONFIG (a YAML/JSON file of trl_ext.memory.PlanConfig "
+        "fields) and a model, the peak phase, and a verdict for 24, 16 and 12 GB GPUs.",
+    )
+    est.add_argument("config", metavar="CONFIG", help="plan file, e.g. recipes/qlora_7b/shared_16gb.yaml")
+    est.add_argument("--model", help="a preset (llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b) or a config.json "
+                     "path; default: the plan's `model` key")
+    est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     return parser
+
+
+def _estimate_memory(args) -> int:
+    import json
+
+    from .memory import PlanConfig, estimate_memory, load_shape
+
+    try:
+        plan = PlanConfig.from_file(args.config)
+        spec = args.model or plan.model
+        if not spec:
+            raise ValueError(f"no model: pass --model (a preset or a config.json) or set `model:` in {args.config}")
+        estimate = estimate_memory(load_shape(spec), plan)
+    except (FileNotFoundError, ValueError, TypeError) as e:
+        print(f"trl-ext estimate-memory: error: {e}", file=sys.stderr)
+        return 2
+    print(json.dumps(estimate.to_dict(), indent=1) if args.json else estimate.format_table())
+    return 0
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -47,6 +81,8 @@ def main(argv: list[str] | None = None) -> int:
             return 1
         print(summary)
         return 0
+    if args.command == "estimate-memory":
+        return _estimate_memory(args)
     parser.error(f"unknown command {args.command!r}")  # unreachable: argparse rejects unknown choices
     return 2
 

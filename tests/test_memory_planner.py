@@ -1,0 +1,297 @@
+"""The memory planner (trl_ext/memory.py), its CLI subcommand, the 7B recipe configs and the CPU validation."""
+
+import importlib.util
+import json
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from trl_ext.cli import main
+from trl_ext.memory import GIB, PRESETS, ModelShape, PlanConfig, estimate_memory, load_shape, quantized_bytes_per_param
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+RECIPES = os.path.join(ROOT, "recipes", "qlora_7b")
+TINY = ModelShape("tiny", hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
+                  num_key_value_heads=1, vocab_size=10)
+
+
+def _load_benchmark(name):
+    spec = importlib.util.spec_from_file_location(name, os.path.join(ROOT, "benchmarks", f"{name}.py"))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+# ------------------------------------------------------------------------------------------- hand-computed numbers
+
+
+def test_nf4_bytes_per_param():
+    # 4 bits + one absmax per 64 weights: 8-bit with double quant (plus an fp32 scale per 256 absmaxes), fp32 without
+    assert quantized_bytes_per_param("nf4") == pytest.approx(0.5 + 1 / 64 + 4 / (64 * 256))
+    assert round(quantized_bytes_per_param("nf4"), 3) == 0.516
+    assert quantized_bytes_per_param("nf4", double_quant=False) == 0.5625
+    assert quantized_bytes_per_param("bf16") == 2 and quantized_bytes_per_param("fp32") == 4
+
+
+def test_tiny_shape_parameter_and_lora_counts():
+    # per layer: q 8x8, k 8x4, v 8x4, o 8x8, gate/up 8x16, down 16x8 = 64+32+32+64+128+128+128 = 576
+    assert TINY.linear_params == 2 * 576
+    # + embeddings 10x8, lm_head 10x8, norms (2 per layer + 1) x 8
+    assert TINY.num_parameters() == 1152 + 80 + 80 + 40
+    assert TINY.num_parameters(lm_head=False) == 1152 + 80 + 40
+    # LoRA r=2: r·(in + out): q 2·16, k 2·12, v 2·12, o 2·16, gate/up/down 2·24 each -> 256 per layer
+    assert TINY.lora_params(2, PlanConfig().lora_targets) == 2 * 256
+    assert TINY.lora_params(2, PlanConfig(lora_target_modules=["q_proj", "v_proj"]).lora_targets) == 2 * (32 + 24)
+
+
+def test_static_memory_of_a_tiny_shared_plan():
+    plan = PlanConfig(layout="shared", lora_r=2, per_device_train_batch_size=1, gradient_accumulation_steps=3,
+                      local_rollout_forward_batch_size=3, max_prompt_length=5, response_length=7)
+    est = estimate_memory(TINY, plan)
+    values = list(est.static.values())
+    assert values[0] == int(1152 * (0.5 + 1 / 64 + 4 / (64 * 256)))  # nf4 linears
+    assert values[1] == (80 + 80 + 40) * 2  # embeddings, lm_head, norms in bf16
+    assert values[2] == 2 * 512 * (4 + 8)  # policy + critic adapters: fp32 weights + two fp32 Adam states
+    assert values[3] == 8 * (4 + 8) + 8 * 4  # value head (trained) + reward head (frozen)
+    assert values[4] == 512 * 4  # frozen reward adapter
+    training = est.phases[-1]
+    assert training.extra_static == 2 * 512 * 4 + 8 * 4  # fp32 gradients of the trained parameters
+    # KV cache: 2 (k, v) · L · 3 sequences · (5 + 7) tokens · kv dim 4 · 2 bytes
+    kv = [v for k, v in est.phases[0].terms.items() if k.startswith("KV cache")]
+    assert kv == [2 * 2 * 3 * 12 * 4 * 2]
+
+
+def test_separate_layout_holds_three_bases_and_no_reward_adapter():
+    shared = estimate_memory(TINY, PlanConfig(layout="shared", lora_r=2))
+    separate = estimate_memory(TINY, PlanConfig(layout="separate", lora_r=2))
+    bases = [k for k in separate.static if "base:" in k]
+    assert len(bases) == 6  # (linears, rest) for policy, critic, reward
+    assert not any("reward adapter" in k for k in separate.static)
+    # critic and reward bases have no lm_head: their "rest" is embeddings + norms only
+    rest = [v for k, v in separate.static.items() if "embeddings" in k]
+    assert rest == [(80 + 80 + 40) * 2, (80 + 40) * 2, (80 + 40) * 2]
+    # for a 7B model, three 4-bit bases outweigh one base plus a frozen reward adapter
+    mistral = PRESETS["mistral-7b"]
+    assert (estimate_memory(mistral, PlanConfig(layout="separate")).static_bytes
+            > estimate_memory(mistral, PlanConfig(layout="shared")).static_bytes + 4 * GIB)
+
+
+@pytest.mark.parametrize("name, billions", [("llama-2-7b", 6.74), ("llama-3-8b", 8.03), ("mistral-7b", 7.24),
+                                            ("qwen2.5-7b", 7.62)])
+def test_preset_parameter_counts(name, billions):
+    assert round(PRESETS[name].num_parameters() / 1e9, 2) == billions
+
+
+def test_llama_2_7b_exact_count_and_lora_size():
+    assert PRESETS["llama-2-7b"].num_parameters() == 6_738_415_616
+    # r=16 on all 7 linear kinds: 32 layers · 16 · (4·(4096+4096) + 3·(4096+11008)) = 39,976,960 (~40M, 0.6 GiB
+    # trained with fp32 weights, gradients and Adam states)
+    assert PRESETS["llama-2-7b"].lora_params(16, PlanConfig().lora_targets) == 39_976_960
+
+
+def test_config_json_is_read(tmp_path):
+    # Qwen2.5-7B's config.json fields; q/k/v biases come from model_type qwen2
+    config = {"model_type": "qwen2", "hidden_size": 3584, "intermediate_size": 18944, "num_hidden_layers": 28,
+              "num_attention_heads": 28, "num_key_value_heads": 4, "vocab_size": 152064,
+              "tie_word_embeddings": False}
+    path = tmp_path / "qwen" / "config.json"
+    path.parent.mkdir()
+    path.write_text(json.dumps(config))
+    shape = load_shape(str(path))
+    assert shape.num_parameters() == PRESETS["qwen2.5-7b"].num_parameters()
+    assert load_shape(str(path.parent)).name == "qwen"  # a folder holding config.json works too
+    assert ModelShape.from_config({**config, "model_type": "llama"}).attention_bias is False
+
+
+# ------------------------------------------------------------------------------------------- the activation model
+
+
+def _saved_bytes(model, inputs):
+    """Bytes of the tensors autograd saves for backward in one forward (parameters excluded, storages counted once)."""
+    params = {p.untyped_storage().data_ptr() for p in model.parameters()}
+    seen = {}
+
+    def pack(t):
+        st = t.untyped_storage()
+        if st.data_ptr() not in params:
+            seen[st.data_ptr()] = st.nbytes()
+        return t
+
+    with torch.autograd.graph.saved_tensors_hooks(pack, lambda t: t):
+        model(**inputs, use_cache=False)
+    return sum(seen.values())
+
+
+@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
+def test_saved_activations_per_layer_match_autograd(dtype):
+    """The planner's per-layer saved-for-backward bytes, against what autograd really saves for HF's Llama with peft
+    LoRA (fp32: inputs shared by q/k/v; bf16 without autocast: peft's fp32 cast per layer)."""
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    from trl_ext.memory import _layer_saved_per_token
+
+    shape = ModelShape("t", 64, 160, 3, 4, 2, 50)
+    plan = PlanConfig(base_dtype=dtype, compute_dtype=dtype, autocast=False, lora_r=4, max_prompt_length=24,
+                      response_length=8)
+    torch.manual_seed(0)
+    model = LlamaForCausalLM(LlamaConfig(**shape.to_config(), pad_token_id=0)).to(getattr(torch, {"fp32": "float32",
+                                                                                              "bf16": "bfloat16"}[dtype]))
+    model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
+    b, S = 2, 32
+    mask = torch.ones(b, S, dtype=torch.long)
+    mask[0, :3] = 0  # left padding, as in PPO batches
+    measured = _saved_bytes(model, {"input_ids": torch.randint(1, 50, (b, S)), "attention_mask": mask})
+    a = 4 if dtype == "fp32" else 2
+    per_token = sum(_layer_saved_per_token(shape, plan, a, S).values())
+    planned = shape.num_hidden_layers * b * S * per_token
+    assert planned == pytest.approx(measured, rel=0.05)
+
+
+def test_checkpointing_and_chunking_lower_the_training_peak():
+    shape = PRESETS["mistral-7b"]
+    base = dict(layout="shared", per_device_train_batch_size=4, gradient_accumulation_steps=4)
+    on = estimate_memory(shape, PlanConfig(**base, gradient_checkpointing=True))
+    off = estimate_memory(shape, PlanConfig(**base, gradient_checkpointing=False))
+    assert on.phases[-1].name.startswith("training step (with")
+    assert on.phase_total(on.phases[-1]) < off.phase_total(off.phases[-1])
+    # the table's alternative row is the other setting, computed the same way
+    assert on.phase_total(on.alternative_training) == off.phase_total(off.phases[-1])
+    chunked = estimate_memory(shape, PlanConfig(**base, chunked_logits=True))
+    full = estimate_memory(shape, PlanConfig(**base, chunked_logits=False))
+    assert chunked.peak_bytes < full.peak_bytes
+    # twice the micro-batch, same rollout batch: more activation memory, same static memory
+    big = estimate_memory(shape, PlanConfig(**{**base, "per_device_train_batch_size": 8,
+                                               "gradient_accumulation_steps": 2}))
+    assert big.static_bytes == on.static_bytes and big.peak_bytes > on.peak_bytes
+
+
+# ------------------------------------------------------------------------------------------- recipes
+
+
+def _recipe(name):
+    return os.path.join(RECIPES, f"{name}.yaml")
+
+
+@pytest.mark.parametrize("preset", sorted(PRESETS))
+def test_shared_16gb_recipe_fits_16gb(preset):
+    est = estimate_memory(PRESETS[preset], PlanConfig.from_file(_recipe("shared_16gb")))
+    assert est.fits(16)
+    assert est.verdicts()["16 GB"].startswith("fits")
+
+
+@pytest.mark.parametrize("recipe, gib", [("shared_24gb", 24), ("shared_12gb", 12), ("separate_24gb", 24)])
+def test_other_recipes_fit_their_gpu(recipe, gib):
+    for shape in PRESETS.values():
+        assert estimate_memory(shape, PlanConfig.from_file(_recipe(recipe))).fits(gib), (recipe, shape.name)
+
+
+@pytest.mark.parametrize("recipe", ["shared_24gb", "shared_16gb", "shared_12gb", "separate_24gb"])
+def test_recipe_comments_state_the_planners_current_estimate(recipe):
+    plan = PlanConfig.from_file(_recipe(recipe))
+    with open(_recipe(recipe)) as fh:
+        stated = re.findall(r"#\s+(\S+)\s+peak\s+([\d.]+), needed\s+([\d.]+)", fh.read())
+    assert sorted(name for name, _, _ in stated) == sorted(PRESETS)
+    for name, peak, needed in stated:
+        est = estimate_memory(PRESETS[name], plan)
+        assert (float(peak), float(needed)) == (round(est.peak_bytes / GIB, 1), round(est.required_bytes / GIB, 1))
+
+
+def test_recipe_keys_are_ppo_config_fields_where_they_exist():
+    import dataclasses
+
+    from trl_ext import PPOConfig
+
+    ppo_fields = {f.name for f in dataclasses.fields(PPOConfig)}
+    for key in ("per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
+                "local_rollout_forward_batch_size", "max_prompt_length", "response_length", "gradient_checkpointing",
+                "optim"):
+        assert key in ppo_fields
+        assert key in {f.name for f in dataclasses.fields(PlanConfig)}
+
+
+# ------------------------------------------------------------------------------------------- CLI and errors
+
+
+def test_cli_prints_the_table(capsys):
+    assert main(["estimate-memory", _recipe("shared_16gb")]) == 0
+    out = capsys.readouterr().out
+    assert "model mistral-7b" in out and "phase: generation (KV cache)" in out
+    assert re.search(r"16 GB: fits", out)
+    assert main(["estimate-memory", _recipe("shared_16gb"), "--model", "llama-2-7b", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["model"]["name"] == "llama-2-7b"
+    assert data["peak_bytes"] == estimate_memory(PRESETS["llama-2-7b"], PlanConfig.from_file(_recipe("shared_16gb"))).peak_bytes
+
+
+def test_cli_as_a_command():
+    proc = subprocess.run([sys.executable, "-m", "trl_ext.cli", "estimate-memory", _recipe("shared_12gb"), "--model",
+                           "qwen2.5-7b"], capture_output=True, text=True, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr
+    assert "qwen2.5-7b" in proc.stdout and "12 GB:" in proc.stdout
+
+
+def test_unknown_preset_names_the_known_ones(capsys):
+    with pytest.raises(ValueError, match="known presets: llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b"):
+        ModelShape.from_preset("llama-7b")
+    assert main(["estimate-memory", _recipe("shared_16gb"), "--model", "gpt-2"]) == 2
+    err = capsys.readouterr().err
+    assert "'gpt-2'" in err and "llama-2-7b" in err
+
+
+def test_bad_plan_files_are_errors(tmp_path, capsys):
+    bad_key = tmp_path / "a.yaml"
+    bad_key.write_text("model: mistral-7b\nper_device_batch_size: 4\n")
+    with pytest.raises(ValueError, match=r"unknown key\(s\) \['per_device_batch_size'\]"):
+        PlanConfig.from_file(str(bad_key))
+    assert main(["estimate-memory", str(bad_key)]) == 2
+    assert "per_device_batch_size" in capsys.readouterr().err
+    assert main(["estimate-memory", str(tmp_path / "missing.yaml")]) == 2
+    assert "does not exist" in capsys.readouterr().err
+    no_model = tmp_path / "b.json"
+    no_model.write_text(json.dumps({"layout": "shared"}))
+    assert main(["estimate-memory", str(no_model)]) == 2
+    assert "--model" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="layout='both' must be 'shared' or 'separate'"):
+        PlanConfig(layout="both")
+    with pytest.raises(ValueError, match="base_dtype='int4'"):
+        PlanConfig(base_dtype="int4")
+    with pytest.raises(ValueError, match="per_device_train_batch_size=0 must be a positive int"):
+        PlanConfig(per_device_train_batch_size=0)
+    with pytest.raises(ValueError, match=r"unknown \['qkv_proj'\]"):
+        PlanConfig(lora_target_modules=["qkv_proj"])
+    with pytest.raises(ValueError, match="optim='rmsprop'"):
+        PlanConfig(optim="rmsprop")
+
+
+def test_report_subcommand_still_exists(capsys):
+    assert main(["report", "/nonexistent/run"]) == 2
+    assert "trl-ext report: error" in capsys.readouterr().err
+
+
+# ------------------------------------------------------------------------------------------- benchmarks
+
+
+def test_gpu_benchmark_fails_clearly_without_cuda(capsys):
+    if torch.cuda.is_available():
+        pytest.skip("this machine has CUDA: the benchmark would run for real")
+    bench = _load_benchmark("memory_7b_gpu")
+    assert bench.main(["--model", "llama-2-7b"]) == 2
+    assert "CUDA" in capsys.readouterr().err
+    # its estimate part runs anywhere
+    plan = bench.benchmark_plan(PlanConfig.from_file(_recipe("shared_16gb")), iterations=2)
+    est = estimate_memory(PRESETS["llama-2-7b"], plan)
+    assert est.peak_bytes > 0 and plan.layout == "shared"
+
+
+@pytest.mark.slow
+def test_cpu_validation_smallest_config_within_15_percent():
+    bench = _load_benchmark("validate_memory_cpu")
+    (result,) = bench.validate([bench.SMALLEST])
+    assert abs(result["peak_error"]) < 0.15, bench.format_report([result])
+    for row in result["rows"]:
+        assert abs(row["error"]) < 0.15, bench.format_report([result])
