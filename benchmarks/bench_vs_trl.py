@@ -312,8 +312,20 @@ def build_models(model: str, max_positions: int):
         for m in (policy, ref, value):
             m.config.pad_token_id = tok.pad_token_id
         torch.nn.init.zeros_(value.score.weight)
+        materialize(policy, ref, value)
         return tok, policy, ref, value, tiny_scalar_model(tok, seed=2, **size), dataset
     raise ValueError(f"--models: unknown model {model!r}; choose from {', '.join(MODELS)}.")
+
+
+def materialize(*modules) -> None:
+    """Copy every parameter and buffer into ordinary memory. from_pretrained memory-maps safetensors files, and
+    mapped pages join the resident set only when first read (in train()), which would count the weights as growth."""
+    import torch
+
+    with torch.no_grad():
+        for module in modules:
+            for t in list(module.parameters()) + list(module.buffers()):
+                t.data = t.data.clone()
 
 
 def build_trainer(case: Case, output_dir: str, models):
@@ -592,14 +604,20 @@ def main(argv=None) -> None:
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cli.threads)
     cases = plan(models, cli.device, cli.quick, cli.full)
     started = time.time()
-    runs = []
+    runs, failed = [], []
     for i, case in enumerate(cases, 1):
         t = time.time()
-        runs.append(run_in_subprocess(case, out / "logs"))
+        try:
+            runs.append(run_in_subprocess(case, out / "logs"))
+        except RuntimeError as e:  # keep going: the other points still measure; the failure is reported
+            failed.append({"case": asdict(case), "error": str(e)[-2000:]})
+            print(f"[{i}/{len(cases)}] FAILED {case}: see {out / 'logs'}", flush=True)
+            continue
         s = summarize(runs[-1])
         print(f"[{i}/{len(cases)}] {case.model} {case.mode} T={case.response_length} B={case.batch_size} "
               f"{case.trainer}: {s['seconds_per_iteration']:.3f} s/iter, peak growth {s['peak_growth_mb']:.0f} MB "
               f"({time.time() - t:.0f} s)", flush=True)
+        (out / "runs.partial.json").write_text(json.dumps(runs))
     elapsed = time.time() - started
     summaries = [summarize(r) for r in runs]
     rows, slopes = pair_up(summaries), memory_slopes(summaries)
@@ -608,17 +626,20 @@ def main(argv=None) -> None:
     import trl
 
     meta = {"date": today, "hardware": hardware(cli.device), "device": cli.device, "quick": cli.quick,
-            "wall_seconds": elapsed, "python": platform.python_version(), "torch": torch.__version__,
-            "transformers": transformers.__version__, "trl": trl.__version__, "torch_threads": torch.get_num_threads(),
-            "load_average_at_end": os.getloadavg()}
+            "full": cli.full, "wall_seconds": elapsed, "python": platform.python_version(), "torch": torch.__version__,
+            "transformers": transformers.__version__, "trl": trl.__version__,
+            "torch_threads": cli.threads or torch.get_num_threads(), "load_average_at_end": os.getloadavg(),
+            "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "failed": failed}
     header = (f"{today}, {meta['hardware']}, torch {torch.__version__} ({meta['torch_threads']} threads), trl "
               f"{trl.__version__}; benchmark wall time {elapsed / 60:.1f} min; load average at the end "
-              f"{meta['load_average_at_end'][0]:.1f}. Ratios are trl_ext / TRL (< 1: trl_ext is faster or smaller).\n")
+              f"{meta['load_average_at_end'][0]:.1f}. Ratios are trl_ext / TRL (< 1: trl_ext is faster or smaller)."
+              + (f" {len(failed)} run(s) FAILED (see results.json)." if failed else "") + "\n")
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows, "slopes": slopes},
                                                  indent=1))
     table = markdown(rows, slopes, header)
     (out / "results.md").write_text(table)
     print(table)
+    (out / "runs.partial.json").unlink(missing_ok=True)
     print(f"wrote {out / 'results.json'} and {out / 'results.md'}")
 
 
