@@ -8,7 +8,7 @@ import os
 import pytest
 import torch
 from peft import LoraConfig, PeftModel, get_peft_model, get_peft_model_state_dict, set_peft_model_state_dict
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.core import token_logprobs
@@ -358,3 +358,39 @@ def test_shared_base_saves_and_restores_its_trained_parts(tmp_path):
                                          str(tmp_path / "saved" / "policy"))
     assert sum(p.numel() for n, p in reloaded.named_parameters() if "lora_" in n) == \
         sum(p.numel() for p in shared.policy_parameters())
+
+
+class _StopAt(TrainerCallback):
+    def __init__(self, step):
+        self.step = step
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step:
+            control.should_training_stop = True
+
+
+@pytest.mark.slow
+def test_shared_base_run_resumes_to_the_same_weights(tmp_path):
+    """Checkpoint after step 1, resume on a freshly built shared base: the same weights and logs as a straight run."""
+    def make(name, **kw):
+        tok, shared = shared_setup(tmp_path / name)
+        trainer = PPOTrainer(args=args(tmp_path / name, logging_steps=1, **kw), processing_class=tok, model=shared,
+                             ref_model=None, reward_model=shared.reward_model,
+                             train_dataset=tiny_prompt_dataset(tok, 8), value_model=None)
+        return shared, trainer
+
+    straight_shared, straight = make("a")
+    straight.train()
+    _, first = make("b", save_strategy="steps", save_steps=1)
+    first.add_callback(_StopAt(1))
+    first.train()
+    assert (tmp_path / "b" / "run" / "checkpoint-1" / "policy" / "adapter_model.safetensors").exists()
+    resumed_shared, resumed = make("b", save_strategy="steps", save_steps=1)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "run" / "checkpoint-1"))
+
+    assert resumed.state.global_step == straight.state.global_step == 2
+    for p, q in zip(resumed_shared.trainable_parameters(), straight_shared.trainable_parameters()):
+        assert torch.equal(p, q)
+    logs = lambda t: [{k: v for k, v in h.items() if k != "eps"} for h in t.state.log_history  # noqa: E731
+                      if "objective/scores" in h]
+    assert logs(resumed) == logs(straight)
