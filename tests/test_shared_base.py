@@ -60,7 +60,8 @@ def shared_setup(tmp_path, reward=True, policy_init=True):
     base = tiny_4bit_causal_lm(tok, tmp_path / "base")
     reward_adapter = save_reward_adapter(tmp_path / "base", tmp_path / "rm") if reward else None
     torch.manual_seed(0)
-    shared = build_shared_base(base, policy_lora=lora(init_lora_weights=policy_init), critic_lora=lora(r=2, init_lora_weights=policy_init),
+    shared = build_shared_base(base, policy_lora=lora(init_lora_weights=policy_init),
+                               critic_lora=lora(r=2, init_lora_weights=policy_init),
                                reward_adapter=reward_adapter)
     return tok, shared
 
@@ -83,7 +84,8 @@ def test_shared_base_ppo_trains_only_adapters_and_heads(tmp_path):
     in_optimizer = {id(p) for g in t.optimizer.param_groups for p in g["params"]}
     expected = shared.adapter_parameters(POLICY) + shared.adapter_parameters(CRITIC) + [shared.value_model.score.weight]
     assert in_optimizer == {id(p) for p in expected}
-    assert all(not layer.support_avx512bf16_for_cpu for layer in linear4bit_layers(shared)) and linear4bit_layers(shared)
+    assert linear4bit_layers(shared)
+    assert all(not layer.support_avx512bf16_for_cpu for layer in linear4bit_layers(shared))
     t.train()
 
     logs = [h for h in t.state.log_history if "objective/scores" in h]
@@ -148,7 +150,8 @@ def _dequantized_fp32_copy(quantized, folder):
     with torch.no_grad():
         for name, module in quantized.named_modules():
             if hasattr(module, "support_avx512bf16_for_cpu"):
-                modules[name.replace(".base_layer", "")].weight.copy_(bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state))
+                weight = bnbf.dequantize_4bit(module.weight.data, module.weight.quant_state)
+                modules[name.replace(".base_layer", "")].weight.copy_(weight)
     return fp32
 
 
@@ -332,7 +335,8 @@ def test_shared_base_errors(tmp_path):
     with pytest.raises(ValueError, match="has no reward adapter"):
         shared.reward_model
     with pytest.raises(ValueError, match="modules_to_save"):
-        build_shared_base(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")), lora(modules_to_save=["lm_head"]))
+        build_shared_base(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")),
+                          lora(modules_to_save=["lm_head"]))
     with pytest.raises(ValueError, match="takes the plain base model"):
         build_shared_base(shared.policy, lora())
     with pytest.raises(ValueError, match="is loaded in 4-bit/8-bit and has no adapter"):

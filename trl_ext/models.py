@@ -430,7 +430,8 @@ def _load_reward_adapter(reward_adapter):
         raise ValueError("the reward adapter has no score head (`score.weight`): train it as a sequence-classification "
                          "model (task_type='SEQ_CLS', as RewardTrainer does) so its head is saved with it.")
     if head["weight"].shape[0] != 1:
-        raise ValueError(f"the reward adapter's score head has {head['weight'].shape[0]} outputs; a reward model has 1.")
+        raise ValueError(f"the reward adapter's score head has {head['weight'].shape[0]} outputs; a reward model "
+                         "has 1.")
     config = dataclasses.replace(copy.deepcopy(config), modules_to_save=None, task_type="CAUSAL_LM",
                                  inference_mode=True)
     return config, lora, head

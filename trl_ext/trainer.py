@@ -521,7 +521,6 @@ class PPOTrainer(TRLPPOTrainer):
         critic each run forward and backward with their own adapter active (one backward per role)."""
         args, accelerator = self.args, self.accelerator
         stats = defaultdict(list)
-        T = rollout.responses.shape[1]
         wrapper = self.unwrapped
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(args.local_batch_size, device=rollout.queries.device)
