@@ -83,6 +83,9 @@ def global_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
 
 @contextmanager
 def matched_sampling():
+    for name in ("generate_responses", "masked_whiten"):  # the names trl_ext.trainer's rollout calls
+        if not hasattr(trainer_module, name):
+            raise RuntimeError(f"trl_ext.trainer no longer uses {name}; update ddp_runs.matched_sampling")
     saved = trainer_module.generate_responses, trainer_module.masked_whiten
     trainer_module.generate_responses, trainer_module.masked_whiten = seeded_generate, global_whiten
     _ROLLOUTS[0] = 0
