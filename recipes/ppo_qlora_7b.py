@@ -349,6 +349,11 @@ def extra_reward_model_bytes(shape: ModelShape, plan: PlanConfig) -> int:
     return int(linear + (shape.num_parameters(lm_head=False) - shape.linear_params) * rest)
 
 
+def size(num_bytes: float) -> str:
+    """'7.03 GiB', or MiB below 0.1 GiB (tiny test models)."""
+    return f"{num_bytes / GIB:.2f} GiB" if num_bytes >= 0.1 * GIB else f"{num_bytes / 2**20:.1f} MiB"
+
+
 def gpu_fit(required_bytes: float, free_bytes: int, total_bytes: int, gpu: str) -> tuple[bool, str]:
     """(fits, message) for a run that needs `required_bytes` (planner peak + headroom) on a GPU with `free_bytes`
     free. Pure arithmetic, so it is tested without a GPU."""
@@ -379,13 +384,13 @@ def report_memory_plan(script_args: ScriptArguments, plan: PlanConfig) -> dict:
           f"shape from {source}), layout {plan.layout}, {plan.base_dtype} base, rollout batch "
           f"{plan.local_batch_size} of {plan.max_prompt_length} + {plan.response_length} tokens, micro-batch "
           f"{plan.per_device_train_batch_size}, forward chunks of {plan.local_rollout_forward_batch_size}:", flush=True)
-    print(f"[recipe]   peak {estimate.peak_bytes / GIB:.2f} GiB (estimated torch.cuda.max_memory_allocated, in "
-          f"'{estimate.peak_phase.name}'); needed on the GPU {estimate.required_bytes / GIB:.2f} GiB (+ "
+    print(f"[recipe]   peak {size(estimate.peak_bytes)} (estimated torch.cuda.max_memory_allocated, in "
+          f"'{estimate.peak_phase.name}'); needed on the GPU {size(estimate.required_bytes)} (+ "
           f"{plan.cuda_overhead_gib:g} GiB CUDA context, {plan.fragmentation:.0%} fragmentation); "
           + "; ".join(f"{k}: {v}" for k, v in estimate.verdicts().items()), flush=True)
     if extra:
-        print(f"[recipe]   + a separate reward model next to the shared base: ~{extra / GIB:.2f} GiB more "
-              f"(needed: {required / GIB:.2f} GiB)", flush=True)
+        print(f"[recipe]   + a separate reward model next to the shared base: ~{size(extra)} more "
+              f"(needed: {size(required)})", flush=True)
     if plan.layout == "separate" and script_args.reward_function:
         print("[recipe]   (the separate plan counts a reward model; with a reward function the run needs less)",
               flush=True)
@@ -568,11 +573,10 @@ def run(script_args: ScriptArguments, args: PPOConfig, plan: PlanConfig,
     }
     peak = figures.get("plan_peak_bytes")
     if measured is not None:
-        vs = f"; planner's peak {peak / GIB:.2f} GiB (measured/planned {measured / peak:.2f})" if peak else ""
-        memory = f"torch.cuda.max_memory_allocated {measured / GIB:.2f} GiB{vs}"
+        vs = f"; planner's peak {size(peak)} (measured/planned {measured / peak:.2f})" if peak else ""
+        memory = f"torch.cuda.max_memory_allocated {size(measured)}{vs}"
     else:
-        memory = ("no CUDA: GPU memory not measured" + (f" (planner's peak for a GPU: {peak / GIB:.2f} GiB)"
-                                                        if peak else ""))
+        memory = "no CUDA: GPU memory not measured" + (f" (planner's peak on a GPU: {size(peak)})" if peak else "")
     with open(os.path.join(args.output_dir, MEMORY_FILE), "w") as fh:
         json.dump({"config": script_args.config, "plan": dataclasses.asdict(plan), **summary}, fh, indent=1,
                   default=str)

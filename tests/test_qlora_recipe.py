@@ -5,7 +5,6 @@ saved."""
 
 from __future__ import annotations
 
-import dataclasses
 import json
 import os
 import pathlib
@@ -80,7 +79,8 @@ def test_command_line_overrides_win_over_the_yaml(tmp_path):
     script_args, args, plan = parse(
         config, "--per_device_train_batch_size", "2", "--response_length", "8", "--max_prompt_length", "16",
         "--local_rollout_forward_batch_size", "2", "--gradient_checkpointing", "False", "--lora_r", "4",
-        "--lora_alpha", "4", "--lora_target_modules", "q_proj,v_proj", "--layout", "separate", "--compute_dtype", "fp32",
+        "--lora_alpha", "4", "--lora_target_modules", "q_proj,v_proj", "--layout", "separate",
+        "--compute_dtype", "fp32",
         "--bnb_4bit_use_double_quant", "False", "--kl_coef", "0.2", tmp_path=tmp_path)
     assert (args.per_device_train_batch_size, args.response_length, args.max_prompt_length,
             args.local_rollout_forward_batch_size, args.gradient_checkpointing) == (2, 8, 16, 2, False)
@@ -141,6 +141,28 @@ def test_argument_errors_name_the_fix(tmp_path, monkeypatch):
     monkeypatch.setattr(recipe, "_bf16_available", lambda: False)
     with pytest.raises(ValueError, match="compute_dtype=bf16.*--compute_dtype fp16.*--compute_dtype fp32"):
         parse(config, tmp_path=tmp_path)
+
+
+def test_readme_table_states_each_configs_values_and_the_planners_estimate():
+    """recipes/qlora_7b/README.md: batch sizes and lengths equal the YAML's, peak / needed equal the planner's."""
+    text = (REPO / "recipes" / "qlora_7b" / "README.md").read_text()
+    header = re.search(r"^\| config \|.*$", text, re.M)[0]
+    presets = [c.strip() for c in header.strip("|").split("|")][-4:]
+    assert sorted(presets) == sorted(PRESETS)
+    rows = re.findall(r"^\| `(\w+)\.yaml` \|(.*)$", text, re.M)
+    assert sorted(name for name, _ in rows) == sorted(c.stem for c in CONFIGS)
+    for name, rest in rows:
+        plan = PlanConfig.from_file(str(REPO / "recipes" / "qlora_7b" / f"{name}.yaml"))
+        gpu, layout, batch, chunk, lengths, *estimates = [c.strip() for c in rest.strip().strip("|").split("|")]
+        assert gpu == f"{name.split('_')[1][:-2]} GB" and layout == plan.layout
+        assert batch == (f"{plan.per_device_train_batch_size} × {plan.gradient_accumulation_steps} = "
+                         f"{plan.local_batch_size}")
+        assert int(chunk) == plan.local_rollout_forward_batch_size
+        assert lengths == f"{plan.max_prompt_length} + {plan.response_length}"
+        for preset, cell in zip(presets, estimates):
+            est = estimate_memory(PRESETS[preset], plan)
+            assert cell == f"{est.peak_bytes / GIB:.1f} / {est.required_bytes / GIB:.1f}", (name, preset)
+            assert est.fits(int(gpu.split()[0]))
 
 
 # ------------------------------------------------------------------------------------------- the memory plan
@@ -225,7 +247,8 @@ def tiny_folders(tmp_path_factory):
 
 
 def _tiny_argv(root, out, layout, reward):
-    return ["--config", str(REPO / "recipes" / "qlora_7b" / f"{layout}_{'24' if layout == 'separate' else '16'}gb.yaml"),
+    config = REPO / "recipes" / "qlora_7b" / ("separate_24gb.yaml" if layout == "separate" else "shared_16gb.yaml")
+    return ["--config", str(config),
             "--model_name_or_path", str(root / "base"), *reward, "--dataset_name", str(root / "prompts.jsonl"),
             "--output_dir", str(out), "--compute_dtype", "fp32", "--lora_r", "4",
             "--per_device_train_batch_size", "2", "--gradient_accumulation_steps", "1",
@@ -263,7 +286,7 @@ def test_shared_layout_end_to_end_with_a_reward_adapter(tiny_folders, tmp_path, 
 
     # the planner's estimate for the tiny model's shape was printed before loading
     expected = estimate_memory(load_shape(str(tiny_folders / "base")), plan)
-    assert f"peak {expected.peak_bytes / GIB:.2f} GiB" in printed
+    assert f"peak {expected.peak_bytes / 2**20:.1f} MiB" in printed  # the tiny model's plan, in MiB
     assert printed.index("memory plan") < printed.index("QLoRA PPO (shared layout)")
     assert "no CUDA: GPU memory not measured" in printed or torch.cuda.is_available()
 
@@ -307,7 +330,8 @@ def test_separate_layout_end_to_end_with_a_reward_model(tiny_folders, tmp_path, 
     printed = capsys.readouterr().out
     trainer = seen["trainer"]
     wrapper = trainer.unwrapped
-    assert f"peak {estimate_memory(load_shape(str(tiny_folders / 'base')), plan).peak_bytes / GIB:.2f} GiB" in printed
+    expected = estimate_memory(load_shape(str(tiny_folders / "base")), plan)
+    assert f"peak {expected.peak_bytes / 2**20:.1f} MiB" in printed
     assert summary["steps"] == 2
 
     # three 4-bit models: the policy (LoRA), the critic (LoRA given by trl_ext + its score head), the reward model
@@ -327,5 +351,5 @@ def test_separate_layout_end_to_end_with_a_reward_model(tiny_folders, tmp_path, 
     # the policy adapter at the top level, the critic's LoRA + head in critic/
     assert {"adapter_model.safetensors", "adapter_config.json", "critic", "memory.json"} <= set(os.listdir(out))
     assert (out / "critic" / "adapter_model.safetensors").exists()
-    assert json.loads((out / "memory.json").read_text())["plan"]["layout"] == "separate"
-    assert dataclasses.asdict(plan)["layout"] == "separate"
+    memory = json.loads((out / "memory.json").read_text())
+    assert memory["plan"]["layout"] == "separate" and memory["plan_peak_bytes"] == expected.peak_bytes
