@@ -200,6 +200,17 @@ def _flag_value(argv: list[str], name: str) -> str | None:
     return value
 
 
+def _flag_set(argv: list[str], name: str) -> bool:
+    """Whether a boolean flag is on: `--name`, `--name True`, `--name=true` (HfArgumentParser's forms)."""
+    for i, token in enumerate(argv):
+        if token == f"--{name}":
+            following = argv[i + 1] if i + 1 < len(argv) else "--"
+            return following.startswith("--") or following.lower() in ("true", "1", "yes")
+        if token.startswith(f"--{name}="):
+            return token.split("=", 1)[1].lower() in ("true", "1", "yes")
+    return False
+
+
 def _bf16_available() -> bool:
     import torch
 
@@ -231,7 +242,7 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfi
         autocast = raw.get("autocast")
         defaults["bf16"] = compute == "bf16" and autocast is not False
         defaults["fp16"] = compute == "fp16" and autocast is not False
-        if defaults["bf16"] and not _bf16_available() and _flag_value(argv, "use_cpu") in (None, "False", "false"):
+        if defaults["bf16"] and not _bf16_available() and not _flag_set(argv, "use_cpu"):
             import torch
 
             where = (f"this GPU ({torch.cuda.get_device_name()}) does not support bf16" if torch.cuda.is_available()
@@ -255,6 +266,12 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfi
         raise ValueError(f"Give exactly one reward: --reward_adapter FOLDER (a LoRA reward adapter on the same base), "
                          f"--reward_model_path NAME (a reward model) or --reward_function vader; got "
                          f"{', '.join(given) or 'none'}.")
+    adapter = script_args.reward_adapter
+    if adapter and not os.path.isfile(os.path.join(os.path.expanduser(adapter), "adapter_model.safetensors")):
+        raise FileNotFoundError(f"--reward_adapter {adapter!r} is not a folder holding adapter_model.safetensors: pass "
+                                "the folder peft's save_pretrained wrote for a LoRA sequence-classification reward "
+                                "model on the same base (e.g. trainer.model.save_pretrained(FOLDER) after TRL's "
+                                "RewardTrainer with peft_config=LoraConfig(task_type='SEQ_CLS', ...)).")
     if script_args.reward_function and script_args.reward_function not in REWARD_FUNCTIONS:
         raise ValueError(f"--reward_function {script_args.reward_function!r} is not one of "
                          f"{sorted(REWARD_FUNCTIONS)}.")
@@ -486,6 +503,10 @@ def build_models(script_args: ScriptArguments, args: PPOConfig, plan: PlanConfig
     critic = load_scalar_model("value model", value_name, "--value_model_path" if script_args.value_model_path
                                else "--model_name_or_path", plan, script_args, tokenizer.pad_token_id)
     critic.score.float()  # a fp32 head over the 4-bit backbone (the planner counts it so)
+    if not plan.is_quantized:  # trl_ext trains an unquantized critic in full; the plan has it train LoRA + head
+        from peft import get_peft_model
+
+        critic = get_peft_model(critic, dataclasses.replace(lora, task_type="SEQ_CLS"))
     # trl_ext gives a 4-bit critic LoRA on every linear layer (the policy's r and alpha) and trains its score head
     # (trl_ext.models.lora_for_quantized_value_model), never its embeddings and norms
     if plan.is_quantized and lora_targets(plan.lora_target_modules) != "all-linear":

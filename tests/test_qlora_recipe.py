@@ -137,32 +137,49 @@ def test_argument_errors_name_the_fix(tmp_path, monkeypatch):
         parse(config, "--compute_dtype", "fp32", "--reward_adapter", "rm", tmp_path=tmp_path)
     with pytest.raises(ValueError, match="'sentiment' is not one of"):
         parse(config, "--compute_dtype", "fp32", tmp_path=tmp_path, reward=("--reward_function", "sentiment"))
+    with pytest.raises(FileNotFoundError, match="'no-adapter' is not a folder holding adapter_model.safetensors"):
+        parse(config, "--compute_dtype", "fp32", tmp_path=tmp_path, reward=("--reward_adapter", "no-adapter"))
+    with pytest.raises(ValueError, match="--value_model_path is for layout separate"):
+        parse(config, "--compute_dtype", "fp32", "--value_model_path", "rm", tmp_path=tmp_path)
     # bf16 autocast where there is no bf16 GPU: named, with the two fixes
     monkeypatch.setattr(recipe, "_bf16_available", lambda: False)
     with pytest.raises(ValueError, match="compute_dtype=bf16.*--compute_dtype fp16.*--compute_dtype fp32"):
         parse(config, tmp_path=tmp_path)
+    for use_cpu in (["--use_cpu"], ["--use_cpu", "True"], ["--use_cpu=true"]):  # TrainingArguments' CPU bf16
+        assert parse(config, *use_cpu, tmp_path=tmp_path)[1].bf16 is True
+
+
+README_PRESETS = ("llama-2-7b", "llama-3-8b", "mistral-7b", "qwen2.5-7b")
+
+
+def readme_rows() -> dict[str, str]:
+    """The rows of recipes/qlora_7b/README.md's table as they should read: each config's GPU, layout, batch sizes,
+    lengths, and the planner's peak / needed GiB for each preset."""
+    rows = {}
+    for config in CONFIGS:
+        plan = PlanConfig.from_file(str(config))
+        cells = [f"`{config.name}`", f"{config.stem.split('_')[1][:-2]} GB", plan.layout,
+                 f"{plan.per_device_train_batch_size} × {plan.gradient_accumulation_steps} = {plan.local_batch_size}",
+                 str(plan.local_rollout_forward_batch_size), f"{plan.max_prompt_length} + {plan.response_length}"]
+        for preset in README_PRESETS:
+            est = estimate_memory(PRESETS[preset], plan)
+            cells.append(f"{est.peak_bytes / GIB:.1f} / {est.required_bytes / GIB:.1f}")
+        rows[config.stem] = "| " + " | ".join(cells) + " |"
+    return rows
 
 
 def test_readme_table_states_each_configs_values_and_the_planners_estimate():
-    """recipes/qlora_7b/README.md: batch sizes and lengths equal the YAML's, peak / needed equal the planner's."""
+    """recipes/qlora_7b/README.md: batch sizes and lengths equal the YAML's, peak / needed equal the planner's.
+    When the planner changes, the failure message holds the rows to paste."""
     text = (REPO / "recipes" / "qlora_7b" / "README.md").read_text()
     header = re.search(r"^\| config \|.*$", text, re.M)[0]
-    presets = [c.strip() for c in header.strip("|").split("|")][-4:]
-    assert sorted(presets) == sorted(PRESETS)
-    rows = re.findall(r"^\| `(\w+)\.yaml` \|(.*)$", text, re.M)
-    assert sorted(name for name, _ in rows) == sorted(c.stem for c in CONFIGS)
-    for name, rest in rows:
+    assert tuple(c.strip() for c in header.strip("|").split("|"))[-4:] == README_PRESETS
+    stated = {name: line for line, name in re.findall(r"^(\| `(\w+)\.yaml` \|.*)$", text, re.M)}
+    expected = readme_rows()
+    assert stated == expected, "rows to paste into recipes/qlora_7b/README.md:\n" + "\n".join(expected.values())
+    for name in expected:  # and every config fits its GPU for every preset
         plan = PlanConfig.from_file(str(REPO / "recipes" / "qlora_7b" / f"{name}.yaml"))
-        gpu, layout, batch, chunk, lengths, *estimates = [c.strip() for c in rest.strip().strip("|").split("|")]
-        assert gpu == f"{name.split('_')[1][:-2]} GB" and layout == plan.layout
-        assert batch == (f"{plan.per_device_train_batch_size} × {plan.gradient_accumulation_steps} = "
-                         f"{plan.local_batch_size}")
-        assert int(chunk) == plan.local_rollout_forward_batch_size
-        assert lengths == f"{plan.max_prompt_length} + {plan.response_length}"
-        for preset, cell in zip(presets, estimates):
-            est = estimate_memory(PRESETS[preset], plan)
-            assert cell == f"{est.peak_bytes / GIB:.1f} / {est.required_bytes / GIB:.1f}", (name, preset)
-            assert est.fits(int(gpu.split()[0]))
+        assert all(estimate_memory(PRESETS[p], plan).fits(int(name.split("_")[1][:-2])) for p in README_PRESETS)
 
 
 # ------------------------------------------------------------------------------------------- the memory plan
