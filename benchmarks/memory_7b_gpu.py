@@ -109,8 +109,9 @@ def build_4bit_llama(shape: ModelShape, plan: PlanConfig, device, head: str = "l
         model.config.layer_types = ["full_attention"] * shape.num_hidden_layers
     model.requires_grad_(False)
     model.is_loaded_in_4bit = True  # what peft and trl_ext look at to pick the 4-bit LoRA layers
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = 1
+    if head == "lm":
+        model.generation_config.pad_token_id = 0
+        model.generation_config.eos_token_id = 1
     return model
 
 

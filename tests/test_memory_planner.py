@@ -126,17 +126,18 @@ def _saved_bytes(model, inputs):
     return sum(seen.values())
 
 
-@pytest.mark.parametrize("dtype", ["fp32", "bf16"])
-def test_saved_activations_per_layer_match_autograd(dtype):
+@pytest.mark.parametrize("dtype, autocast", [("fp32", False), ("bf16", False), ("bf16", True)])
+def test_saved_activations_per_layer_match_autograd(dtype, autocast):
     """The planner's per-layer saved-for-backward bytes, against what autograd really saves for HF's Llama with peft
-    LoRA (fp32: inputs shared by q/k/v; bf16 without autocast: peft's fp32 cast per layer)."""
+    LoRA (fp32: inputs shared by q/k/v; bf16 without autocast: peft's fp32 cast per layer; bf16 under autocast: the
+    bf16 recast per layer)."""
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trl_ext.memory import _layer_saved_per_token
 
     shape = ModelShape("t", 64, 160, 3, 4, 2, 50)
-    plan = PlanConfig(base_dtype=dtype, compute_dtype=dtype, autocast=False, lora_r=4, max_prompt_length=24,
+    plan = PlanConfig(base_dtype=dtype, compute_dtype=dtype, autocast=autocast, lora_r=4, max_prompt_length=24,
                       response_length=8)
     torch.manual_seed(0)
     model = LlamaForCausalLM(LlamaConfig(**shape.to_config(), pad_token_id=0)).to(getattr(torch, {"fp32": "float32",
@@ -145,7 +146,8 @@ def test_saved_activations_per_layer_match_autograd(dtype):
     b, S = 2, 32
     mask = torch.ones(b, S, dtype=torch.long)
     mask[0, :3] = 0  # left padding, as in PPO batches
-    measured = _saved_bytes(model, {"input_ids": torch.randint(1, 50, (b, S)), "attention_mask": mask})
+    with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
+        measured = _saved_bytes(model, {"input_ids": torch.randint(1, 50, (b, S)), "attention_mask": mask})
     a = 4 if dtype == "fp32" else 2
     per_token = sum(_layer_saved_per_token(shape, plan, a, S).values())
     planned = shape.num_hidden_layers * b * S * per_token
@@ -161,9 +163,12 @@ def test_checkpointing_and_chunking_lower_the_training_peak():
     assert on.phase_total(on.phases[-1]) < off.phase_total(off.phases[-1])
     # the table's alternative row is the other setting, computed the same way
     assert on.phase_total(on.alternative_training) == off.phase_total(off.phases[-1])
-    chunked = estimate_memory(shape, PlanConfig(**base, chunked_logits=True))
-    full = estimate_memory(shape, PlanConfig(**base, chunked_logits=False))
+    # a large vocabulary: the logits matter
+    chunked = estimate_memory(PRESETS["llama-3-8b"], PlanConfig(**base, chunked_logits=True))
+    full = estimate_memory(PRESETS["llama-3-8b"], PlanConfig(**base, chunked_logits=False))
     assert chunked.peak_bytes < full.peak_bytes
+    for c, f in zip(chunked.phases[1:], full.phases[1:3]):  # policy+value and reference scoring
+        assert c.activations < f.activations
     # twice the micro-batch, same rollout batch: more activation memory, same static memory
     big = estimate_memory(shape, PlanConfig(**{**base, "per_device_train_batch_size": 8,
                                                "gradient_accumulation_steps": 2}))
@@ -226,6 +231,17 @@ def test_cli_prints_the_table(capsys):
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["name"] == "llama-2-7b"
     assert data["peak_bytes"] == estimate_memory(PRESETS["llama-2-7b"], PlanConfig.from_file(_recipe("shared_16gb"))).peak_bytes
+
+
+def test_cli_all_presets_summary(capsys):
+    assert main(["estimate-memory", _recipe("shared_12gb"), "--all-presets"]) == 0
+    lines = capsys.readouterr().out.strip().splitlines()
+    assert len(lines) == 1 + len(PRESETS)
+    plan = PlanConfig.from_file(_recipe("shared_12gb"))
+    for line, (name, shape) in zip(lines[1:], PRESETS.items()):
+        est = estimate_memory(shape, plan)
+        assert line.split()[:3] == [name, f"{est.peak_bytes / GIB:.1f}", f"{est.required_bytes / GIB:.1f}"]
+        assert line.split()[-3:] == ["fits" if est.fits(g) else "no" for g in (24, 16, 12)]
 
 
 def test_cli_as_a_command():
@@ -295,3 +311,22 @@ def test_cpu_validation_smallest_config_within_15_percent():
     assert abs(result["peak_error"]) < 0.15, bench.format_report([result])
     for row in result["rows"]:
         assert abs(row["error"]) < 0.15, bench.format_report([result])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("layout", ["shared", "separate"])
+def test_gpu_benchmark_code_path_runs_on_cpu_with_a_tiny_4bit_model(layout):
+    """The benchmark's 4-bit model building and its PPO run through trl_ext.PPOTrainer, on CPU (nf4 works there)."""
+    bench = _load_benchmark("memory_7b_gpu")
+    shape = ModelShape("tiny4bit", 64, 128, 2, 4, 2, 300)
+    plan = PlanConfig(layout=layout, compute_dtype="fp32", lora_r=4, per_device_train_batch_size=2,
+                      gradient_accumulation_steps=1, local_rollout_forward_batch_size=2, max_prompt_length=6,
+                      response_length=2)
+    model = bench.build_4bit_llama(shape, plan, "cpu")
+    import bitsandbytes as bnb
+
+    linears = [m for m in model.modules() if isinstance(m, bnb.nn.Linear4bit)]
+    assert len(linears) == 7 * shape.num_hidden_layers
+    assert all(m.weight.quant_state is not None for m in linears)  # quantized, not merely wrapped
+    result = bench.run(shape, plan, iterations=1, device="cpu")
+    assert result["estimate"]["peak_gib"] > 0 and result["measured"]["train_seconds"] > 0

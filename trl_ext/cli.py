@@ -1,14 +1,15 @@
 """The ``trl-ext`` command line.
 
     trl-ext report RUN_DIR               # or: python -m trl_ext.cli report RUN_DIR
-    trl-ext estimate-memory CONFIG [--model PRESET|config.json] [--json]
+    trl-ext estimate-memory CONFIG [--model PRESET|config.json] [--json] [--all-presets]
 
 ``report`` prints a summary of ``RUN_DIR/metrics.jsonl`` (start vs end of the key metrics, alarms raised) and writes
 ``RUN_DIR/dashboard.png``; the last line printed is the PNG's path.
 
 ``estimate-memory`` prints the memory planner's table (trl_ext/memory.py) for a recipe's plan (a YAML/JSON file of
 PlanConfig fields, e.g. recipes/qlora_7b/shared_16gb.yaml) and a model: ``--model``, else the file's ``model`` key
-(a preset: llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b; or a config.json). ``--json`` prints it as JSON.
+(a preset: llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b; or a config.json). ``--json`` prints it as JSON;
+``--all-presets`` prints one line per preset instead.
 
 Exit codes: 0 done; 1 metrics.jsonl is malformed; 2 usage error, or the folder or its metrics.jsonl does not exist,
 or (estimate-memory) the plan file or the model is missing or invalid.
@@ -40,16 +41,21 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--model", help="a preset (llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b) or a config.json "
                      "path; default: the plan's `model` key")
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
+    est.add_argument("--all-presets", action="store_true",
+                     help="one line per preset model (peak, needed, verdicts) instead of the table")
     return parser
 
 
 def _estimate_memory(args) -> int:
     import json
 
-    from .memory import PlanConfig, estimate_memory, load_shape
+    from .memory import PlanConfig, estimate_memory, load_shape, presets_summary
 
     try:
         plan = PlanConfig.from_file(args.config)
+        if args.all_presets:
+            print(presets_summary(plan))
+            return 0
         spec = args.model or plan.model
         if not spec:
             raise ValueError(f"no model: pass --model (a preset or a config.json) or set `model:` in {args.config}")

@@ -35,7 +35,7 @@ import os
 from dataclasses import asdict, dataclass, field, fields
 
 __all__ = ["GIB", "PRESETS", "ModelShape", "PlanConfig", "MemoryEstimate", "estimate_memory", "load_shape",
-           "GPU_SIZES_GIB", "quantized_bytes_per_param"]
+           "GPU_SIZES_GIB", "quantized_bytes_per_param", "presets_summary"]
 
 GIB = 1024**3
 GPU_SIZES_GIB = (24, 16, 12)
@@ -442,6 +442,16 @@ class MemoryEstimate:
         return "\n".join(lines)
 
 
+def presets_summary(plan: PlanConfig, sizes=GPU_SIZES_GIB) -> str:
+    """One line per preset model: estimated peak, what the GPU needs (peak + headroom), the peak phase, verdicts."""
+    lines = [f"{'model':<12}{'peak GiB':>9}{'needed GiB':>11}  {'peak phase':<40}" + "".join(f"{f'{g} GB':>6}" for g in sizes)]
+    for name, shape in PRESETS.items():
+        e = estimate_memory(shape, plan)
+        lines.append(f"{name:<12}{e.peak_bytes / GIB:>9.1f}{e.required_bytes / GIB:>11.1f}  {e.peak_phase.name:<40}"
+                     + "".join(f"{'fits' if e.fits(g) else 'no':>6}" for g in sizes))
+    return "\n".join(lines)
+
+
 def _float(dtype: str) -> int:
     return FLOAT_BYTES[dtype]
 
@@ -611,31 +621,34 @@ def estimate_memory(shape: ModelShape, plan: PlanConfig) -> MemoryEstimate:
         per_layer_sum = sum(per_layer.values())
         tokens = m * S
         terms: dict[str, int] = {}
+        # backward runs from the loss down: first through the logits (every layer's saved tensors, or checkpointed
+        # inputs, still alive), then layer by layer; the logits and their gradients are gone before the layers'
+        # backward begins, so the phase's peak is the larger of the two stages
+        backward = tokens * (2 * h * s + 2 * shape.intermediate_size * a)  # residual-stream and MLP gradients
         if checkpointing:
             # each checkpointed layer keeps its input; backward recomputes one layer at a time
             terms[f"checkpointed layer inputs ({who}: {n_models}×L × {m}×{S} tokens × h)"] = n_models * L * tokens * h * s
-            terms["one layer recomputed in backward"] = int(tokens * per_layer_sum)
+            layer_stage = int(tokens * per_layer_sum) + backward
         else:
             terms[f"saved activations ({who}: {n_models}×L × {m}×{S} tokens × {per_layer_sum / 1024:.1f} KiB)"] = int(
                 n_models * L * tokens * per_layer_sum)
-        terms["backward working set (residual-stream and MLP gradients)"] = tokens * (
-            2 * h * s + 2 * shape.intermediate_size * a)
+            layer_stage = backward
         if not shared:
             terms["value head input (final hidden states)"] = tokens * h * s
         keep = m * pos * V * a_logits
         if plan.chunked_logits:
             # token_logprobs keeps the (m, T+1, V) logits for backward; its backward makes a (m, T, V) gradient,
-            # and the slice's backward a (m, T+1, V) one
-            terms[f"logits kept for backward, their gradient ({m}×{pos}×V ×2, {lname}), log-prob chunks"] = (
-                2 * keep + 3 * C * V * 4)
+            # and the slice's backward a (m, T+1, V) one; one (C, V) chunk at a time in fp32
+            logits_stage = 2 * keep + 3 * C * V * 4
         else:
             # TRL 1.12's way: x = the fp32 (m, T, V) response logits / T, kept (logsumexp saves them). Forward: the
             # (m, S, V) logits, the .float() copy and x coexist; backward: x, its gradient and the gradient through
             # the division (3x), then x, the gradient in the logits' dtype and the (m, S, V) gradient of the slice
             x = m * R * V * 4
-            fwd = keep + x * (2 if a_logits != 4 else 1)
-            bwd = max(3 * x, x + x * a_logits // 4 + keep)
-            terms[f"logits: fp32 response logits (m×T×V), gradients, (m×S×V) logits"] = max(fwd, bwd)
+            logits_stage = max(keep + x * (2 if a_logits != 4 else 1), 3 * x, x + x * a_logits // 4 + keep)
+        larger = "logits" if logits_stage >= layer_stage else "layer"
+        terms[f"backward peak: the {larger} stage (logits {logits_stage / GIB:.2f}, layer {layer_stage / GIB:.2f} GiB)"] = (
+            max(logits_stage, layer_stage))
         if dequant:
             terms["dequantized weight (one linear, compute dtype)"] = dequant
         return Phase(f"training step ({'with' if checkpointing else 'without'} checkpointing)", terms,
