@@ -125,6 +125,18 @@ def test_unknown_yaml_key_is_an_error_naming_it(tmp_path):
         parse(tmp_path / "missing.yaml", tmp_path=tmp_path)
 
 
+@pytest.mark.slow  # a fresh interpreter imports transformers and trl: ~10-20 s
+def test_the_command_reports_a_bad_config_without_a_traceback(tmp_path):
+    import subprocess
+
+    result = subprocess.run([sys.executable, str(RECIPE), "--config", str(_yaml(tmp_path, lora_rank=8)),
+                             "--model_name_or_path", "m", "--reward_function", "vader", "--compute_dtype", "fp32"],
+                            capture_output=True, text=True, timeout=300)
+    assert result.returncode == 1
+    assert "[recipe] error:" in result.stderr and "['lora_rank']" in result.stderr
+    assert "Traceback" not in result.stderr
+
+
 def test_argument_errors_name_the_fix(tmp_path, monkeypatch):
     config = _yaml(tmp_path)
     with pytest.raises(ValueError, match="--config is required"):
