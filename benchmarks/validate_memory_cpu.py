@@ -39,7 +39,7 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trl_ext.memory import GIB, ModelShape, PlanConfig, estimate_memory  # noqa: E402
+from trl_ext.memory import ModelShape, PlanConfig, estimate_memory  # noqa: E402
 
 MIB = 1024**2
 

@@ -66,7 +66,6 @@ def test_static_memory_of_a_tiny_shared_plan():
 
 
 def test_separate_layout_holds_three_bases_and_no_reward_adapter():
-    shared = estimate_memory(TINY, PlanConfig(layout="shared", lora_r=2))
     separate = estimate_memory(TINY, PlanConfig(layout="separate", lora_r=2))
     bases = [k for k in separate.static if "base:" in k]
     assert len(bases) == 6  # (linears, rest) for policy, critic, reward
