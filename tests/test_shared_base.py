@@ -320,6 +320,8 @@ def test_plain_path_qlora_policy_and_a_4bit_value_model(tmp_path):
     before = head.detach().clone()
     t.train()
     assert not torch.equal(before, head)
+    # generation turned checkpointing off and back on: still on, for both
+    assert t.unwrapped.policy.is_gradient_checkpointing and critic.is_gradient_checkpointing
 
 
 def test_shared_base_errors(tmp_path):
