@@ -25,7 +25,7 @@ It writes to `--output_dir` (default `runs/quickstart`):
 and prints a summary: mean training score at the start and end (first/last step and first/last quarter), KL, the
 held-out scores and win rate against the reference, wall time, and the files written. `main(argv)` returns it as a dict.
 
-Run it (about 8-9 minutes on 2 idle CPU cores; the first run also converts the model once, ~20 s):
+Run it (about 10 minutes of CPU time; the first run also converts the model once, ~20 s):
 
     python recipes/ppo_smollm2_sentiment.py --output_dir runs/quickstart
 
@@ -90,9 +90,11 @@ class ScriptArguments:
     )
 
 
-# Sized for about 8-9 minutes on 2 idle CPU cores (~20 s per PPO step of 16 rollouts of up to 32 tokens, plus ~15 s
-# per evaluation of 32 paired completions): 20 PPO steps, 5 passes over the 64 training prompts. Measured choices
-# (3 seeds each, see the README): TODO
+# 16 PPO steps of 16 rollouts of up to 24 tokens (4 passes over the 64 training prompts), 4 optimizer steps per PPO
+# step (2 epochs x 2 minibatches), LoRA rank 8 on all linear layers at learning_rate 1e-3, fixed beta 0.05; held-out
+# evaluation at steps 8 and 16 (32 paired completions each). Measured (seed 42, on 2 shared, heavily loaded cores): the
+# mean training score rose from +0.31 (first quarter of the steps) to +0.57 (last quarter), KL 5.9 nats at the end,
+# held-out win rate 0.77 against the reference. About 40 s of CPU time per PPO step on one thread.
 RECIPE_DEFAULTS = dict(
     output_dir="runs/quickstart",
     total_episodes=256,
@@ -100,7 +102,7 @@ RECIPE_DEFAULTS = dict(
     gradient_accumulation_steps=2,  # 16 rollouts per PPO step
     num_mini_batches=2,  # two optimizer steps per PPO epoch
     num_ppo_epochs=2,
-    response_length=32,
+    response_length=24,
     temperature=1.0,
     learning_rate=1e-3,
     kl_coef=0.05,
@@ -172,16 +174,21 @@ def summarize_run(log_history: list[dict]) -> dict:
     }
 
 
-def before_after_samples(trainer, prompts: list[str], seed: int) -> list[dict]:
-    """For each of `prompts` (the first len(prompts) rows of the trainer's eval_dataset, in order) one completion of
-    the reference (the model before training: the adapter disabled) and one of the trained policy, drawn with the same
-    random numbers, and their VADER scores."""
+def before_after_samples(trainer, prompts: list[str], seed: int, rows: list[int] | None = None) -> list[dict]:
+    """For each of `prompts`, at rows `rows` of the trainer's eval_dataset (default: the first len(prompts) rows), one
+    completion of the reference (the model before training: the adapter disabled) and one of the trained policy, drawn
+    with the same random numbers, and their VADER scores.
+
+    Raises ValueError if a row's decoded prompt does not contain its prompt text (rows and prompts out of step)."""
     import torch
 
+    rows = list(range(len(prompts))) if rows is None else list(rows)
+    if len(rows) != len(prompts):
+        raise ValueError(f"{len(prompts)} prompts but {len(rows)} rows: give one eval_dataset row per prompt.")
     tok = trainer.processing_class
     device = trainer.accelerator.device
-    rows = torch.utils.data.Subset(trainer.eval_dataset, range(len(prompts)))
-    loader = torch.utils.data.DataLoader(rows, batch_size=trainer.args.per_device_eval_batch_size,
+    loader = torch.utils.data.DataLoader(torch.utils.data.Subset(trainer.eval_dataset, rows),
+                                         batch_size=trainer.args.per_device_eval_batch_size,
                                          collate_fn=trainer.data_collator)
     records, i = [], 0
     with torch.no_grad():
@@ -192,8 +199,12 @@ def before_after_samples(trainer, prompts: list[str], seed: int) -> list[dict]:
                 # _sample: trl_ext's paired sampler (its own RNG stream; the training RNG is untouched)
                 responses, response_mask = trainer._sample(queries, query_mask, seed + b, reference=reference)
                 texts[name] = [tok.decode(r[m], skip_special_tokens=True) for r, m in zip(responses, response_mask)]
-            for ref_text, pol_text in zip(texts["reference"], texts["policy"]):
+            for q, qm, ref_text, pol_text in zip(queries, query_mask, texts["reference"], texts["policy"]):
                 prompt = prompts[i]
+                query_text = tok.decode(q[qm], skip_special_tokens=True)
+                if prompt not in query_text:
+                    raise ValueError(f"eval_dataset row {rows[i]} holds {query_text!r}, not the prompt {prompt!r}: "
+                                     "pass the rows that hold the prompts.")
                 ref_score, pol_score = sentiment.vader_reward([prompt] * 2, [ref_text, pol_text])
                 records.append({"prompt": prompt, "reference": ref_text, "reference_score": ref_score,
                                 "policy": pol_text, "policy_score": pol_score})
@@ -283,7 +294,9 @@ def main(argv: list[str] | None = None) -> dict:
     if not any("eval/win_rate_vs_ref" in entry for entry in trainer.state.log_history):
         # evaluation switched off on the command line (--eval_strategy no): evaluate once now
         summary.update({k: v for k, v in summarize_run([trainer.evaluate_policy()]).items() if k.startswith("eval")})
-    samples = before_after_samples(trainer, held_out, seed=args.seed + 1)
+    # each held-out prompt once: held_out_dataset repeats each prompt eval_repeats times in a row
+    samples = before_after_samples(trainer, held_out, seed=args.seed + 1,
+                                   rows=[i * script_args.eval_repeats for i in range(len(held_out))])
     trainer.save_model(args.output_dir)  # the LoRA adapter
     files = []
     if main_process:

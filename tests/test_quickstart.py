@@ -146,6 +146,62 @@ def test_summary_reads_metrics_jsonl_records_with_nulls():
     assert s["eval_win_rate"] == 0.75 and math.isnan(s["eval_kl"])
 
 
+# ---------------------------------------------------------------------------------------------------- before/after
+
+
+TINY_PROMPTS = ["w1 w2", "w3 w4 w5", "w6", "w7 w8", "w9 w10 w11", "w12 w13"]  # words of the tiny tokenizer
+
+
+def _tiny_trainer(tmp_path, ref_model, repeats=2):
+    """A PPOTrainer on tiny models whose eval_dataset holds TINY_PROMPTS, each `repeats` times in a row (as
+    held_out_dataset lays out the held-out prompts)."""
+    from datasets import Dataset
+
+    from trl_ext import PPOConfig, PPOTrainer
+    from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    policy = tiny_causal_lm(tok)
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=4, response_length=6,
+                     report_to=[], save_strategy="no", bf16=False, disable_tqdm=True, per_device_eval_batch_size=4)
+    eval_dataset = Dataset.from_dict({"prompt": [p for p in TINY_PROMPTS for _ in range(repeats)]})
+    return PPOTrainer(args=args, processing_class=tok, model=policy,
+                      ref_model=ref_model(policy) if ref_model else None, reward_model=sentiment.vader_reward,
+                      train_dataset=tiny_prompt_dataset(tok, 8), value_model=tiny_scalar_model(tok),
+                      eval_dataset=eval_dataset)
+
+
+def test_before_after_samples_are_paired(tmp_path):
+    """Policy == reference (a frozen copy): the paired samples are identical, prompt by prompt. Once the policy
+    differs, some completions differ; the same seed gives the same samples again."""
+    import copy
+
+    import torch
+
+    trainer = _tiny_trainer(tmp_path, ref_model=copy.deepcopy)
+    rows = [0, 2, 4, 6, 8, 10]  # each prompt once, across two batches of 4
+    records = quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3, rows=rows)
+    assert [r["prompt"] for r in records] == TINY_PROMPTS
+    assert all(r["policy"] == r["reference"] and r["policy_score"] == r["reference_score"] for r in records)
+    assert any(r["policy"] for r in records)  # not all empty
+
+    with torch.no_grad():
+        trainer.unwrapped.policy.lm_head.weight.add_(torch.randn_like(trainer.unwrapped.policy.lm_head.weight))
+    moved = quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3, rows=rows)
+    assert [r["reference"] for r in moved] == [r["reference"] for r in records]  # the reference did not change
+    assert any(r["policy"] != r["reference"] for r in moved)
+    assert quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3, rows=rows) == moved
+
+
+def test_before_after_samples_refuse_rows_out_of_step_with_prompts(tmp_path):
+    trainer = _tiny_trainer(tmp_path, ref_model=None)
+    # the first 6 rows are w1 w2, w1 w2, w3 w4 w5, ...: row 1 does not hold the second prompt
+    with pytest.raises(ValueError, match="row 1 holds 'w1 w2', not the prompt 'w3 w4 w5'"):
+        quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3)
+    with pytest.raises(ValueError, match="6 prompts but 2 rows"):
+        quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3, rows=[0, 2])
+
+
 # ---------------------------------------------------------------------------------------------------- command line
 
 
