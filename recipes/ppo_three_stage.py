@@ -596,9 +596,10 @@ def main(argv: list[str] | None = None) -> dict:
     reward_model.save_pretrained(out / RM_DIR)
     rm_tokenizer.save_pretrained(out / RM_DIR)
     _write_jsonl(out / RM_LOG_FILE, rm_log)
+    device = next(reward_model.parameters()).device  # RewardTrainer may have moved it to an accelerator
     with torch.no_grad():  # the RM's score as PPO's scorer reads it: the policy's ids, the last real token
-        rm_scores = {split: score_responses(reward_model, tokenizer, d["queries"], d["query_mask"], d["responses"],
-                                            d["response_mask"]).tolist() for split, d in sampled.items()}
+        rm_scores = {split: score_responses(reward_model, tokenizer, *(d[k].to(device) for k in (
+            "queries", "query_mask", "responses", "response_mask"))).tolist() for split, d in sampled.items()}
     rm_pair_accuracy = pair_accuracy(rm_scores["test"], pairs["test"])
     rm_train_pair_accuracy = pair_accuracy(rm_scores["train"], pairs["train"])
     rm_gold_pearson = pearson(rm_scores["test"], [r["gold"] for r in sampled["test"]["rows"]])

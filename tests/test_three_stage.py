@@ -169,7 +169,9 @@ def test_defaults_build_the_critic_from_the_reward_model(recipe, tmp_path):
 QUICK_FLAGS = ["--max_train_prompts", "8", "--max_test_prompts", "4", "--samples_per_prompt", "3",
                "--preference_margin", "0", "--response_length", "12", "--rm_epochs", "1", "--rm_batch_size", "32",
                "--total_episodes", "4", "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
-               "--num_mini_batches", "1", "--num_ppo_epochs", "1", "--eval_steps", "1", "--write_report", "false"]
+               "--num_mini_batches", "1", "--num_ppo_epochs", "1", "--eval_steps", "1", "--write_report", "false",
+               # one thread: on a CPU shared with other jobs, oversubscribed torch threads made this run >10x slower
+               "--num_threads", "1"]
 
 
 @pytest.mark.slow
