@@ -274,3 +274,18 @@ def test_sigkill_during_a_save_leaves_the_previous_checkpoint_and_resume_works(t
     assert torch.equal(flat(resumed.unwrapped.policy), flat(straight.unwrapped.policy))
     assert comparable(step_logs(resumed)) == comparable(step_logs(straight))
     assert not (out / "checkpoint-2.partial").exists() and (out / "checkpoint-4").exists()
+
+
+def test_critic_copied_from_reward_model_keeps_its_pad_id_zero():
+    """A reward model whose pad id is 0 keeps it in the critic copied from it (0 is not 'unset')."""
+    from trl_ext.models import build_value_model
+    from trl_ext.testing import tiny_causal_lm, tiny_scalar_model, tiny_tokenizer
+
+    tok = tiny_tokenizer()
+    policy, reward = tiny_causal_lm(tok), tiny_scalar_model(tok)
+    policy.config.pad_token_id, reward.config.pad_token_id = 3, 0
+    critic = build_value_model("reward_model", None, None, policy, reward)
+    assert critic.config.pad_token_id == 0
+    reward.config.pad_token_id = None
+    assert build_value_model("reward_model", None, None, policy, reward).config.pad_token_id == \
+        policy.config.pad_token_id

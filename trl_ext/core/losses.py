@@ -98,7 +98,9 @@ def clipped_value_loss(
     if not cliprange_value > 0:
         raise ValueError(f"cliprange_value={cliprange_value} must be > 0 (typical: 0.2)")
     _check_same_shape(response_mask, values=values, old_values=old_values, returns=returns)
-    values_clipped = old_values + torch.clamp(values - old_values, -cliprange_value, cliprange_value)
+    # clamp(V, V_old ± c) is V_old + clip(V − V_old, ±c) written so that it is V itself inside the range (no
+    # subtract-then-add rounding that clipfrac could count as a clip)
+    values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses1 = (values - returns).square()
     vf_losses2 = (values_clipped - returns).square()
     loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), response_mask)
