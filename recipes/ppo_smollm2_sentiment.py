@@ -96,8 +96,8 @@ class ScriptArguments:
 # evaluation at steps 8 and 16 (32 paired completions each). Measured with seeds 42, 1 and 2 (one thread each):
 # mean training score, first -> last quarter of the steps, +0.31 -> +0.57, +0.46 -> +0.66, +0.27 -> +0.61; KL at the
 # end 5.9, 9.6, 8.8 nats; held-out win rate against the reference 0.77, 0.77, 0.70. Seed 2 on a nearly idle machine:
-# 12 min 20 s wall on one thread (45 s per PPO step); the alarms kl_blowup (approx KL > 0.05 on an early step) and reward_hacking (KL grows
-# faster than the score) fire once or twice: read samples_before_after.jsonl.
+# 12 min 20 s wall on one thread (45 s per PPO step). The alarms kl_blowup (approx KL > 0.05 on an early step) and
+# reward_hacking (KL grows faster than the score) fire once or twice: read samples_before_after.jsonl.
 RECIPE_DEFAULTS = dict(
     output_dir="runs/quickstart",
     total_episodes=256,
