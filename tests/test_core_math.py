@@ -517,3 +517,24 @@ def test_core_import_does_not_load_trl():
         "assert m.compute_gae\n"
     )
     subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_masked_whiten_over_processes_equals_whitening_the_whole_batch():
+    """With all_reduce_sum, each process's share is whitened with the statistics of all shares together."""
+    torch.manual_seed(0)
+    a, b = torch.randn(3, 5), torch.randn(2, 5) * 3 + 1
+    ma, mb = torch.rand(3, 5) > 0.3, torch.rand(2, 5) > 0.3
+    for shift_mean in (True, False):
+        whole = masked_whiten(torch.cat([a, b]), torch.cat([ma, mb]), shift_mean=shift_mean)
+        # process A's view: the reducer adds process B's contribution to each of the two sums A asks for
+        mean = torch.cat([a, b])[torch.cat([ma, mb])].mean()
+        other = iter([torch.stack([b[mb].sum(), mb.sum().float()]), ((b - mean)[mb] ** 2).sum()])
+        share = masked_whiten(a, ma, shift_mean=shift_mean, all_reduce_sum=lambda t: t + next(other))
+        torch.testing.assert_close(share, whole[:3], rtol=1e-5, atol=1e-6)
+        # and it is not what whitening A alone gives (TRL's per-process whitening)
+        assert not torch.allclose(masked_whiten(a, ma, shift_mean=shift_mean), whole[:3], atol=1e-3)
+    # hand-computed: entries 1, 3 here and 5, 7 elsewhere -> mean 4, unbiased var 20/3
+    x, m = torch.tensor([1.0, 3.0]), torch.tensor([True, True])
+    other = iter([torch.tensor([12.0, 2.0]), torch.tensor(10.0)])
+    out = masked_whiten(x, m, all_reduce_sum=lambda t: t + next(other))
+    torch.testing.assert_close(out, (x - 4) / torch.sqrt(torch.tensor(20 / 3 + 1e-8)))

@@ -3,11 +3,11 @@
 One `accelerate launch` of tests/scripts/ddp_runs.py runs four trainers in the same two processes:
 
 - `matched`: global batch 8 (4 per process), 3 PPO iterations. The same run in one process (batch 8) must reach the
-  same weights and log the same metrics, to float tolerance. Two things differ between N processes and one by
-  design, in TRL as in trl_ext, and the script makes them equal in both runs (`ddp_runs.matched_sampling`):
-  each process samples with its own RNG stream (here each prompt's response comes from a stream seeded by the
-  prompt and the iteration), and each process whitens its own advantages (here over all processes). Responses have
-  no stop token, so each process holds as many response tokens and the average of the processes' per-token loss
+  same weights and log the same metrics, to float tolerance. One thing differs between N processes and one by
+  design, and the script makes it equal in both runs (`ddp_runs.matched_sampling`): each process samples with its
+  own RNG stream (here each prompt's response comes from a stream seeded by the prompt and the iteration). The
+  advantages are the trainer's own: trl_ext whitens them over all processes (TRL whitens each process's share on
+  its own, which this test would catch). Responses have no stop token, so each process holds as many response tokens and the average of the processes' per-token loss
   means is the global mean. Everything else — which prompts each process gets, gradient averaging, optimizer
   steps, the learning-rate schedule, adaptive β from the gathered KL, metrics reduced over processes — is the
   trainer's own, so a bug in any of them moves the weights by far more than the tolerance (1e-5; measured 3e-7).

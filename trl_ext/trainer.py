@@ -434,6 +434,9 @@ class PPOTrainer(TRLPPOTrainer):
                     "score": rollout.scores[i].item()} for i in range(n)]
         append_jsonl(os.path.join(self.args.output_dir, SAMPLES_FILE), records)
 
+    def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
+        return self.accelerator.reduce(tensor, reduction="sum")
+
     def _chunks(self, n: int):
         step = self.args.local_rollout_forward_batch_size
         return [slice(i, i + step) for i in range(0, n, step)]
@@ -493,12 +496,15 @@ class PPOTrainer(TRLPPOTrainer):
         # 6. rewards: −β·KL on every real token, the score on the last real token (see core.shape_rewards)
         rewards, kl = shape_rewards(scores, logprobs, ref_logprobs, response_mask, self.kl_ctl.value,
                                     args.kl_estimator)
+        # whitening statistics over the real tokens of all processes: N processes act as one with the whole batch
+        over_processes = self._sum_over_processes if accelerator.num_processes > 1 else None
         if args.whiten_rewards:
-            rewards = masked_whiten(rewards, response_mask, shift_mean=False) * response_mask
+            rewards = masked_whiten(rewards, response_mask, shift_mean=False,
+                                    all_reduce_sum=over_processes) * response_mask
 
         # 7. advantages and returns (GAE), advantages whitened over real tokens
         advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
-        advantages = masked_whiten(advantages, response_mask) * response_mask
+        advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
         return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
                        logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
                        rewards=rewards, advantages=advantages, returns=returns, source_scores=source_scores)

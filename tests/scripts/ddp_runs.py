@@ -10,8 +10,8 @@ model's weights (flattened) and the logged metrics of each step.
 - `matched`: a global batch of `GLOBAL_BATCH` prompts whatever the number of processes (per-device batch =
   GLOBAL_BATCH / processes), with the two things that legitimately differ between N processes and one made equal
   (`matched_sampling`): responses are sampled from an RNG stream seeded by the prompt and the iteration (each process
-  otherwise samples with its own stream), and advantages are whitened with statistics over all processes (each
-  process otherwise whitens its own share, as TRL does). Responses have no stop token, so every process holds the
+  otherwise samples with its own stream). Advantages need no patch: the trainer whitens them with statistics over all
+  processes (TRL whitens each process's share on its own). Responses have no stop token, so every process holds the
   same number of response tokens and the mean of the processes' per-token loss means is the global mean.
 - `straight`: 4 iterations, default sampling; `interrupted`: the same settings, a checkpoint every iteration, stopped
   after 2; `resumed`: a fresh trainer resumed from `interrupted`'s checkpoint-2.
@@ -25,21 +25,15 @@ import zlib
 from contextlib import contextmanager
 
 import torch
-import torch.distributed as dist
 from transformers import TrainerCallback
 
 import trl_ext.trainer as trainer_module
 from trl_ext import PPOConfig, PPOTrainer
-from trl_ext.core import masked_whiten
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 GLOBAL_BATCH = 8
 MATCHED_STEPS = 3
 RESUME_STEPS = 4
-
-
-def _world() -> int:
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
 
 
 _ROLLOUTS = [0]  # rollouts sampled so far by `seeded_generate` in this process
@@ -64,35 +58,17 @@ def seeded_generate(policy, queries, query_mask, generation_config, pad_token_id
     return out
 
 
-def global_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
-    """`masked_whiten` with the mean and the (unbiased) variance taken over the masked entries of all processes."""
-    if _world() == 1:
-        return masked_whiten(values, mask, shift_mean)
-    m = mask.bool()
-    total = torch.stack([values[m].sum(), m.sum().to(values.dtype)])
-    dist.all_reduce(total)
-    mean = total[0] / total[1]
-    squares = ((values - mean)[m] ** 2).sum()
-    dist.all_reduce(squares)
-    var = squares / total[1] * total[1] / (total[1] - 1)
-    whitened = (values - mean) * torch.rsqrt(var + 1e-8)
-    if not shift_mean:
-        whitened = whitened + mean
-    return whitened * m
-
-
 @contextmanager
 def matched_sampling():
-    for name in ("generate_responses", "masked_whiten"):  # the names trl_ext.trainer's rollout calls
-        if not hasattr(trainer_module, name):
-            raise RuntimeError(f"trl_ext.trainer no longer uses {name}; update ddp_runs.matched_sampling")
-    saved = trainer_module.generate_responses, trainer_module.masked_whiten
-    trainer_module.generate_responses, trainer_module.masked_whiten = seeded_generate, global_whiten
+    if not hasattr(trainer_module, "generate_responses"):  # the name trl_ext.trainer's rollout calls
+        raise RuntimeError("trl_ext.trainer no longer uses generate_responses; update ddp_runs.matched_sampling")
+    saved = trainer_module.generate_responses
+    trainer_module.generate_responses = seeded_generate
     _ROLLOUTS[0] = 0
     try:
         yield
     finally:
-        trainer_module.generate_responses, trainer_module.masked_whiten = saved
+        trainer_module.generate_responses = saved
 
 
 class StopAt(TrainerCallback):

@@ -6,7 +6,7 @@ Shapes: B = batch, T = response length.
 of a row are a prefix, padding comes after. Reductions here use `torch.where`, so NaN/inf sitting in padding never
 leaks into a result.
 """
-from typing import Optional
+from typing import Callable, Optional
 
 import torch
 
@@ -82,13 +82,18 @@ def masked_var(values: torch.Tensor, mask: torch.Tensor, unbiased: bool = True) 
     return variance
 
 
-def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True) -> torch.Tensor:
+def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = True,
+                  all_reduce_sum: Callable[[torch.Tensor], torch.Tensor] | None = None) -> torch.Tensor:
     """(x − mean) · rsqrt(var + 1e-8) over the masked entries, as in TRL; the mean is added back if not shift_mean.
 
     Args:
         values: any shape, e.g. (B, T).
         mask: bool, same shape as values.
         shift_mean: if False, the result keeps the original mean (only the scale is normalised).
+        all_reduce_sum: with several processes, a function returning the sum of a tensor over all of them (e.g.
+            `lambda t: accelerator.reduce(t, "sum")`): the mean and variance are then those of every process's
+            masked entries together, so N processes whiten like one process holding the whole batch (TRL whitens
+            each process's share on its own).
 
     Returns:
         same shape as values; 0 outside the mask (TRL leaves whitened padding there; callers zero it anyway).
@@ -97,8 +102,17 @@ def masked_whiten(values: torch.Tensor, mask: torch.Tensor, shift_mean: bool = T
     """
     # https://github.com/huggingface/trl/blob/v0.11.0/trl/core.py (masked_whiten)
     _check_mask(values, mask)
-    n = int(mask.sum())
-    mean, var = masked_mean(values, mask), masked_var(values, mask, unbiased=n > 1)
+    if all_reduce_sum is None:
+        n = int(mask.sum())
+        mean, var = masked_mean(values, mask), masked_var(values, mask, unbiased=n > 1)
+    else:
+        totals = all_reduce_sum(torch.stack([torch.where(mask, values, 0).sum(), mask.sum().to(values.dtype)]))
+        n = totals[1]
+        if not n > 0:
+            raise ValueError("masked_whiten: the mask selects no entries on any process")
+        mean = totals[0] / n
+        squares = all_reduce_sum(torch.where(mask, (values - mean).square(), 0).sum())
+        var = squares / (n - 1) if n > 1 else squares / n
     whitened = (values - mean) * torch.rsqrt(var + 1e-8)
     if not shift_mean:
         whitened = whitened + mean
