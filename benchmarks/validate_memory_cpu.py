@@ -116,7 +116,7 @@ def _warm_up(torch) -> None:
     from transformers import LlamaConfig, LlamaForCausalLM
 
     from trl_ext.core.losses import entropy_from_logits, logprobs_from_logits, token_logprobs
-    from trl_ext.models import generate_responses, sampling_config
+    from trl_ext.models import Sampling, generate_responses
 
     cfg = LlamaConfig(hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
                       num_key_value_heads=2, vocab_size=256, pad_token_id=0)
@@ -130,7 +130,7 @@ def _warm_up(torch) -> None:
         qm[0, :2] = False
         with torch.autocast("cpu", dtype=torch.bfloat16, enabled=autocast):
             with torch.no_grad():
-                r = generate_responses(model, q, qm, sampling_config(4, 1.0, None, 0), 0, 2)
+                r, _ = generate_responses(model, q, qm, Sampling(4, 1.0, None), 2)
             ids = torch.cat([q, r], 1)
             am = torch.cat([qm, torch.ones_like(r, dtype=torch.bool)], 1).long()
             for ckpt in (False, True):
@@ -159,7 +159,7 @@ def _worker(name: str) -> dict:
     from trl_ext.core.losses import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
                                      logprobs_from_logits, token_logprobs)
     from trl_ext.core.masks import masked_mean
-    from trl_ext.models import generate_responses, sampling_config, sequence_inputs
+    from trl_ext.models import Sampling, generate_responses, sequence_inputs
 
     shape, plan = CONFIGS[name]
     torch.manual_seed(0)
@@ -209,11 +209,11 @@ def _worker(name: str) -> dict:
     for i in range(B):  # left padding, up to a quarter of the prompt
         query_mask[i, : (i * P // 4) // B] = False
     queries = queries.masked_fill(~query_mask, 0)
-    gen_cfg = sampling_config(R, 1.0, None, 0)  # no stop token: every response runs to response_length
+    sampling = Sampling(R, 1.0, None)  # no stop token: every response runs to response_length
 
     def generate():
         with torch.no_grad(), autocast:
-            return generate_responses(policy, queries, query_mask, gen_cfg, 0, f)
+            return generate_responses(policy, queries, query_mask, sampling, f)[0]
 
     responses = meter.phase("generation (KV cache)", generate)
     response_mask = torch.ones_like(responses, dtype=torch.bool)

@@ -288,7 +288,7 @@ def sample_completions(policy, tokenizer, split: str, max_prompts: int, args: PP
     import torch
 
     from trl_ext.core import response_mask_from_stop
-    from trl_ext.models import generate_responses, sampling_config
+    from trl_ext.models import Sampling, generate_responses
     from trl_ext.prompts import LeftPaddingCollator, prepare_prompts
 
     prompts = sentiment.load_prompts(split)
@@ -299,10 +299,8 @@ def sample_completions(policy, tokenizer, split: str, max_prompts: int, args: PP
     K = script_args.samples_per_prompt
     batch = LeftPaddingCollator(tokenizer)([prepared[p] for p in range(len(prompts)) for _ in range(K)])
     queries, query_mask = batch["input_ids"], batch["attention_mask"].bool()  # (P*K, Q), prompt p's rows together
-    generation_config = sampling_config(args.response_length, args.temperature, tokenizer.eos_token_id,
-                                        tokenizer.pad_token_id)
-    responses = generate_responses(policy, queries, query_mask, generation_config, tokenizer.pad_token_id,
-                                   script_args.sample_batch_size)  # (P*K, T)
+    sampling = Sampling(args.response_length, args.temperature, tokenizer.eos_token_id)
+    responses, _ = generate_responses(policy, queries, query_mask, sampling, script_args.sample_batch_size)  # (P*K, T)
     response_mask = response_mask_from_stop(responses, tokenizer.eos_token_id)
     completions = tokenizer.batch_decode([r[m] for r, m in zip(responses, response_mask)], skip_special_tokens=True)
     gold = sentiment.vader_reward([prompts[i // K] for i in range(len(completions))], completions)

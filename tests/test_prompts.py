@@ -145,12 +145,50 @@ def test_left_truncation_keeps_the_last_tokens(form):
     assert lengths == [6, 10, 11]
     prepared = prepare_prompts(forms[form], tok, max_prompt_length=8)
     assert (prepared.num_truncated, prepared.num_dropped) == (2, 0)
-    assert list(prepared.dataset["input_ids"]) == [expected_ids[0], expected_ids[1][-8:], expected_ids[2][-8:]]
+    if form == "conversational":  # the chat header before the first message's content ("no", "yes") is kept
+        expected = [expected_ids[0], expected_ids[1][:1] + expected_ids[1][-7:], expected_ids[2][:1] + expected_ids[2][-7:]]
+    else:  # no leading special token: the last 8 tokens
+        expected = [expected_ids[0], expected_ids[1][-8:], expected_ids[2][-8:]]
+    assert list(prepared.dataset["input_ids"]) == expected
     assert list(prepared.dataset["answer"]) == ANSWERS
     if form != "tokenized":
         assert list(prepared.dataset["prompt_text"]) == TEXTS  # the text before truncation
     # a prompt exactly max_prompt_length long is kept whole
     assert prepare_prompts(forms[form], tok, max_prompt_length=11).num_truncated == 0
+
+
+def test_left_truncation_keeps_the_bos_token_and_cuts_after_it():
+    """A tokenizer that adds BOS: left truncation keeps BOS (and any leading special token) and cuts the oldest
+    tokens after it (TRL 1.12-style ids[-limit:] would cut BOS off)."""
+    from tokenizers import processors
+
+    tok = tiny_tokenizer()
+    tok.add_special_tokens({"bos_token": "<bos>"})
+    bos = tok.bos_token_id
+    tok._tokenizer.post_processor = processors.TemplateProcessing(single="<bos> $A", special_tokens=[("<bos>", bos)])
+    ids = tok("w1 w2 w3 w4 w5 w6")["input_ids"]
+    assert ids[0] == bos and len(ids) == 7
+    for form, ds in (("text", Dataset.from_dict({"prompt": ["w1 w2 w3 w4 w5 w6"]})),
+                     ("tokenized", Dataset.from_dict({"input_ids": [ids]}))):
+        prepared = prepare_prompts(ds, tok, max_prompt_length=4)
+        assert prepared.dataset["input_ids"][0] == [bos] + ids[-3:], form
+        assert prepared.num_truncated == 1
+    with pytest.raises(ValueError, match=r"max_prompt_length=1 leaves no room .* first 1 tokens"):
+        prepare_prompts(Dataset.from_dict({"input_ids": [ids]}), tok, max_prompt_length=1)
+
+
+def test_left_truncation_keeps_a_chat_templates_header_and_system_prompt():
+    """A template that adds a default system prompt (as SmolLM2's and Llama-3's do): truncation keeps it and the
+    user header, and cuts the oldest words of the user's message."""
+    tok = tiny_tokenizer()
+    tok.chat_template = ("no w9 w9 w9 <eos> {% for m in messages %}yes {{ m['content'] }} <eos> {% endfor %}"
+                         "{% if add_generation_prompt %}ok{% endif %}")
+    ds = Dataset.from_dict({"prompt": [[{"role": "user", "content": "w1 w2 w3 w4 w5 w6"}]]})
+    full = prepare_prompts(ds, tok).dataset["input_ids"][0]
+    assert [tok.convert_ids_to_tokens(t) for t in full[:6]] == ["no", "w9", "w9", "w9", "<eos>", "yes"]
+    cut = prepare_prompts(ds, tok, max_prompt_length=10).dataset["input_ids"][0]
+    assert cut == full[:6] + full[-4:]  # header (6) + "w5 w6 <eos> ok"
+    assert tok.decode(cut) == "no w9 w9 w9 <eos> yes w5 w6 <eos> ok"
 
 
 @pytest.mark.parametrize("form", ["text", "conversational", "tokenized"])

@@ -27,16 +27,18 @@ def params(*models):
 
 # --- max_grad_norm ------------------------------------------------------------------------------------------------
 def test_max_grad_norm_clips_the_update(tmp_path):
-    """With SGD(lr=1) one optimizer step moves the weights by lr x the (clipped) gradient norm, so the step is at
-    most max_grad_norm. TRL never clipped: the step is the full gradient."""
+    """With SGD(lr=1) one optimizer step moves the weights by lr x the (clipped) gradient, so the policy's step and
+    the critic's step are each at most max_grad_norm (each is clipped on its own). TRL never clipped: the step is the
+    full gradient."""
     tok = tiny_tokenizer()
     policy, value, reward, ds = build(tok)
-    before = params(policy, value)
+    before_policy, before_value = params(policy), params(value)
     sgd = torch.optim.SGD(list(policy.parameters()) + list(value.parameters()), lr=1.0)
     args = config(tmp_path, max_grad_norm=1e-3)
     out = run(trainer(args, tok, policy, reward, value, train_dataset=ds, optimizers=(sgd, None)))
-    step = (params(policy, value) - before).norm().item()
-    assert 0 < step <= 1e-3 * (1 + 1e-4)
+    for before, model in ((before_policy, policy), (before_value, value)):
+        step = (params(model) - before).norm().item()
+        assert 0 < step <= 1e-3 * (1 + 1e-4)
     pre_clip = out["logs"][0]["policy/grad_norm"]
     assert pre_clip > 1e-3  # the logged norm is the pre-clip one
 

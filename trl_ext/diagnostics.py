@@ -53,7 +53,7 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
     explained_variance = 1.0 - var_d / var_ret if var_ret > 1e-12 else 0.0
 
     non_score = -kl_coef * kl_seq
-    return {
+    out = {
         "objective/kl": kl_seq.mean().item(),
         "objective/kl_k1": kl_k1.mean().item(),
         "objective/kl_k3": kl_k3.mean().item(),
@@ -71,6 +71,23 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/truncation_rate": truncated.mean().item(),
     }
+    if r.sampler_logprobs is not None:
+        out.update(sampler_metrics(r.sampler_logprobs, r.logprobs, mask, gather))
+    return out
+
+
+def sampler_metrics(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor,
+                    gather: Gather = _identity) -> dict:
+    """How far the sampler's log-probs of the sampled tokens are from the trainer's recomputation of them, over real
+    tokens of all processes: `rollout/sampler_logprob_diff_max` and `_mean` of |log π_sampler − log π_trainer|.
+    ~1e-6 when both are the same fp32 computation; larger when the sampler's distribution is not the policy the loss
+    trains (other logits processors, dropout, another precision or engine) — what the generator_mismatch alarm reads."""
+    diff = (sampler_logprobs.double() - logprobs.double()).abs()[mask]
+    n = torch.tensor(float(diff.numel()), dtype=torch.float64, device=diff.device)
+    top = diff.max() if diff.numel() else torch.zeros((), dtype=torch.float64, device=diff.device)
+    rows = gather(torch.stack([n, diff.sum(), top])[None])  # (processes, 3)
+    return {"rollout/sampler_logprob_diff_max": rows[:, 2].max().item(),
+            "rollout/sampler_logprob_diff_mean": (rows[:, 1].sum() / rows[:, 0].sum().clamp(min=1)).item()}
 
 
 def update_metrics(stats: dict[str, list[float]], gather: Gather = _identity) -> dict:

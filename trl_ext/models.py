@@ -57,6 +57,43 @@ def disable_bnb_cpu_repack(*models) -> int:
     return count
 
 
+# ---------------------------------------------------------------------------------------------------- dropout
+
+def _is_rate(name: str, value) -> bool:
+    return "drop" in name.lower() and isinstance(value, float) and value > 0
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Turn off every dropout of `model`, whatever form it takes, so rollout and update forwards are deterministic:
+
+    - `nn.Dropout` modules (p = 0; all TRL's `disable_dropout_in_model` does);
+    - rates stored on modules and applied in forward in training mode (Llama's and Qwen's `attention_dropout`, OPT's
+      `dropout`, Bloom's `hidden_dropout`: `dropout(x, p=self.dropout, training=self.training)`);
+    - rates in the model's config read at forward time (`self.config.layerdrop`, ...).
+
+    PPO needs this: with dropout on, the rollout's log-probs and the update's differ at lr 0 (ratio ≠ 1, KL ≠ 0
+    against an identical reference). The config's rates stay 0 in a saved model's config.json."""
+    from transformers import PretrainedConfig
+
+    configs = []
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_rate(name, value):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig) and all(config is not c for c in configs):
+            configs.append(config)
+    while configs:
+        config = configs.pop()
+        for name, value in list(vars(config).items()):
+            if _is_rate(name, value):
+                setattr(config, name, 0.0)
+            elif isinstance(value, PretrainedConfig):  # text_config, vision_config, ...
+                configs.append(value)
+
+
 # ---------------------------------------------------------------------------------------------------- forwards
 
 def _underlying(model: nn.Module) -> nn.Module:
@@ -88,11 +125,18 @@ def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
     return (attention_mask.long().cumsum(1) - 1).clamp(min=0)
 
 
+def model_input_ids(input_ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
+    """Token ids a model may read: masked-out positions (padding, anything after the stop token) hold id 0, so a pad id
+    outside the embedding table (a `[PAD]` added to the tokenizer but not to the model, as TRL's scripts do) never
+    reaches the model. TRL does the same (`masked_fill(~attention_mask, 0)` before every forward)."""
+    return input_ids.masked_fill(~attention_mask.bool(), 0)
+
+
 def sequence_inputs(queries, query_mask, responses, response_mask) -> dict[str, torch.Tensor]:
     """Model inputs for query+response: (B, Q+T) ids, attention mask and position ids. Tokens after the stop token
-    (response_mask False) are masked out, so nothing reads them."""
-    input_ids = torch.cat([queries, responses], dim=1)  # (B, Q+T)
+    (response_mask False) are masked out, so nothing reads them; masked positions hold id 0 (`model_input_ids`)."""
     attention_mask = torch.cat([query_mask, response_mask], dim=1).long()
+    input_ids = model_input_ids(torch.cat([queries, responses], dim=1), attention_mask)  # (B, Q+T)
     return {"input_ids": input_ids, "attention_mask": attention_mask,
             "position_ids": position_ids_from_mask(attention_mask)}
 
@@ -104,50 +148,109 @@ def response_logprobs(model: nn.Module, inputs: dict, responses: torch.Tensor, t
     return token_logprobs(logits[:, -T - 1 : -1], responses, temperature, LOGPROB_CHUNK)
 
 
-def sampling_config(response_length: int, temperature: float, stop_token_id: int | None, pad_token_id: int):
-    """A GenerationConfig that samples from softmax(logits / temperature) and nothing else.
+# ---------------------------------------------------------------------------------------------------- sampling
 
-    Every logits processor a model's own `generation_config` may carry (repetition_penalty, top_k, top_p, min_p,
-    no_repeat_ngram_size, ...) is set to its neutral value, so the tokens PPO trains on are drawn from the policy
-    whose log-probs the loss uses (TRL 1.12 let such settings alter the behaviour policy)."""
-    return GenerationConfig(
-        max_new_tokens=response_length,
-        min_new_tokens=0,
-        do_sample=True,
-        temperature=temperature,
-        top_k=0,
-        top_p=1.0,
-        min_p=None,
-        typical_p=1.0,
-        epsilon_cutoff=0.0,
-        eta_cutoff=0.0,
-        repetition_penalty=1.0,
-        no_repeat_ngram_size=0,
-        bad_words_ids=None,
-        suppress_tokens=None,
-        begin_suppress_tokens=None,
-        forced_bos_token_id=None,
-        forced_eos_token_id=None,
-        eos_token_id=stop_token_id,
-        pad_token_id=pad_token_id,
+@dataclasses.dataclass(frozen=True)
+class Sampling:
+    """What PPO samples: `response_length` tokens from softmax(logits / temperature), stopping at `stop_token_id`
+    (None: no stop token; EOS is then an ordinary token and every response has `response_length` tokens)."""
+
+    response_length: int
+    temperature: float
+    stop_token_id: int | None
+
+
+def sampling_config(sampling: Sampling) -> GenerationConfig:
+    """The complete GenerationConfig `generate_responses` runs `generate()` with: greedy decoding over the one-hot
+    scores of `TokenSampler` (which draws the token itself), every other logits processor off, KV cache on.
+
+    Every field is set: transformers' defaults for everything else, and nothing is ever filled in from a model's own
+    `generation_config` (`generate_responses` swaps it for this one during the call). Finished rows are filled with
+    the stop token (an id the model has), never with the tokenizer's pad id."""
+    config = GenerationConfig(**GenerationConfig()._get_default_generation_params())
+    config.update(
+        max_new_tokens=sampling.response_length, max_length=None, min_length=0,
+        do_sample=False, num_beams=1, num_return_sequences=1, use_cache=True,
+        eos_token_id=sampling.stop_token_id, pad_token_id=0 if sampling.stop_token_id is None else sampling.stop_token_id,
+        output_scores=False, output_logits=False, return_dict_in_generate=False,
     )
+    return config
+
+
+class TokenSampler:
+    """A logits processor that *is* the sampler: it draws each next token from softmax(scores / temperature) with
+    torch's RNG, records that token's log-prob (fp32), and returns scores that are 0 at the drawn token and −inf
+    elsewhere, so greedy decoding in `generate()` takes exactly that token. No warper of transformers (top-k, top-p,
+    min-p, temperature, ...) can then change what is sampled: whatever a model's generation_config says, the tokens
+    PPO trains on come from the policy's own distribution, and `logprobs` are the sampler's log-probs of them."""
+
+    def __init__(self, temperature: float):
+        self.temperature = temperature
+        self.steps: list[torch.Tensor] = []  # one (B,) fp32 tensor per generation step
+
+    def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
+        logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
+        tokens = torch.multinomial(logp.exp(), num_samples=1)  # (B, 1)
+        self.steps.append(logp.gather(1, tokens).squeeze(1))
+        return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
+
+
+@contextmanager
+def eval_mode(model: nn.Module):
+    """Every submodule in eval mode inside, each restored to its own mode after. Generation runs so: no dropout, and
+    gradient checkpointing (active only in training mode) never turns off the KV cache (transformers 5.3-5.23 drop
+    the cache of a checkpointed model in training mode even without grad)."""
+    modes = [(m, m.training) for m in model.modules()]
+    model.eval()
+    try:
+        yield
+    finally:
+        for m, training in modes:
+            m.training = training
+
+
+@contextmanager
+def generation_config_of(model: nn.Module, config: GenerationConfig):
+    """`model.generation_config` (the transformers model under a peft wrapper) is `config` inside: `generate()` fills
+    every field left None from the model's own config (min_p, suppress_tokens, eos_token_id, ...), so the model's
+    config must hold nothing but ours while PPO samples."""
+    target = _underlying(model)
+    saved = getattr(target, "generation_config", None)
+    target.generation_config = config
+    try:
+        yield
+    finally:
+        target.generation_config = saved
 
 
 @torch.no_grad()
-def generate_responses(policy, queries, query_mask, generation_config: GenerationConfig, pad_token_id: int,
-                       chunk_size: int) -> torch.Tensor:
-    """Sample responses for left-padded queries, in chunks. Returns (B, T) ids, T = response_length, padded with
-    `pad_token_id` where generation stopped early (those positions are masked later by the stop position)."""
-    out = []
-    for i in range(0, queries.shape[0], chunk_size):
-        q, m = queries[i : i + chunk_size], query_mask[i : i + chunk_size]
-        seq = policy.generate(input_ids=q, attention_mask=m.long(), generation_config=generation_config)
-        out.append(seq[:, q.shape[1]:])
-    T = generation_config.max_new_tokens
-    responses = torch.full((queries.shape[0], T), pad_token_id, dtype=queries.dtype, device=queries.device)
-    for i, r in zip(range(0, queries.shape[0], chunk_size), out):
-        responses[i : i + r.shape[0], : r.shape[1]] = r
-    return responses
+def generate_responses(policy, queries, query_mask, sampling: Sampling,
+                       chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample responses for left-padded queries, in chunks of `chunk_size` rows.
+
+    Returns (B, T) ids, T = `sampling.response_length` (positions after the stop token hold the stop token, or are
+    unfilled past the end of generation: the response mask from the stop position hides them), and the sampler's
+    (B, T) fp32 log-probs of those tokens (`TokenSampler`; meaningless after the stop token). Runs with the policy in
+    eval mode, the KV cache on, and the model's own generation_config out of the way; the caller sets the precision
+    (the trainer generates under the same autocast as the loss)."""
+    from transformers import LogitsProcessorList
+
+    config = sampling_config(sampling)
+    B, T = queries.shape[0], sampling.response_length
+    fill = config.pad_token_id
+    responses = torch.full((B, T), fill, dtype=queries.dtype, device=queries.device)
+    logprobs = torch.zeros((B, T), dtype=torch.float32, device=queries.device)
+    with eval_mode(policy), generation_config_of(policy, config):
+        for i in range(0, B, chunk_size):
+            q, m = queries[i : i + chunk_size], query_mask[i : i + chunk_size].long()
+            sampler = TokenSampler(sampling.temperature)
+            seq = policy.generate(input_ids=model_input_ids(q, m), attention_mask=m, generation_config=config,
+                                  logits_processor=LogitsProcessorList([sampler]))
+            n = seq.shape[1] - q.shape[1]  # tokens generated (the sampler may have run steps generate undid)
+            responses[i : i + q.shape[0], :n] = seq[:, q.shape[1]:]
+            if n:
+                logprobs[i : i + q.shape[0], :n] = torch.stack(sampler.steps[:n], dim=1).to(logprobs.device)
+    return responses, logprobs
 
 
 def scalar_head_outputs(model: nn.Module, inputs: dict) -> torch.Tensor:
@@ -554,10 +657,13 @@ def build_value_model(init: str, head_init: str | None, value_model, policy, rew
                                  "Use value_model_init='policy' or pass a value_model.")
             critic = copy.deepcopy(reward_model)
         else:  # "policy"
-            base = policy.get_base_model() if hasattr(policy, "get_base_model") else policy
-            if getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False):
+            if is_quantized(policy):
                 raise ValueError("value_model_init='policy' cannot copy a quantized policy's backbone; pass a "
                                  "value_model.")
+            if hasattr(policy, "merge_and_unload"):  # a PeftModel: the backbone with its adapter merged in
+                base = copy.deepcopy(policy).merge_and_unload()
+            else:
+                base = policy
             config = copy.deepcopy(base.config)
             config.num_labels = 1
             critic = AutoModelForSequenceClassification.from_config(config)

@@ -132,6 +132,19 @@ def _check_max_prompt_length(max_prompt_length, truncation) -> None:
                          "tokens) or 'drop' (remove long prompts).")
 
 
+def _header_length(tokenizer, text: str, messages) -> int | None:
+    """Tokens of the rendered chat `text` before the first message's content (BOS, role headers, a default system
+    prompt the template adds), which left truncation keeps; None if the content is not found verbatim."""
+    content = messages[0].get("content")
+    start = text.find(content) if isinstance(content, str) and content else -1
+    if start < 0:
+        return None
+    if getattr(tokenizer, "is_fast", False):
+        offsets = tokenizer(text, add_special_tokens=False, return_offsets_mapping=True)["offset_mapping"]
+        return sum(1 for _, end in offsets if end <= start)
+    return len(tokenizer(text[:start], add_special_tokens=False)["input_ids"])
+
+
 def prepare_prompts(
     dataset,
     tokenizer,
@@ -144,7 +157,9 @@ def prepare_prompts(
     dataset: a `datasets.Dataset` with a `prompt` column (strings or message lists) or an `input_ids` column.
     tokenizer: the policy's tokenizer. The conversational form needs its `chat_template`.
     max_prompt_length: longest prompt in tokens (None: no limit). Longer prompts are handled per `truncation`:
-        "left" keeps their last `max_prompt_length` tokens (counted in `num_truncated`; the end of a prompt, next to
+        "left" keeps their head (the leading special tokens, e.g. BOS; for conversational prompts the chat template's
+        header up to the first message's content) and as many of their last tokens as fit, cutting the oldest tokens
+        after the head (counted in `num_truncated`; the end of a prompt, next to
         the response, is what PPO generates from), "drop" removes them (counted in `num_dropped`).
     num_proc: processes for `Dataset.map`.
 
@@ -196,10 +211,22 @@ def prepare_prompts(
     limit = max_prompt_length
     drop = truncation == "drop"
 
-    def cut(ids: list[int]) -> tuple[list[int], bool]:
+    special_ids = set(getattr(tokenizer, "all_special_ids", None) or ())
+
+    def cut(ids: list[int], index: int, keep: int | None = None) -> tuple[list[int], bool]:
+        """Left truncation keeps the prompt's head (`keep` tokens: the chat template's header; default its leading
+        special tokens, e.g. BOS) and cuts the oldest tokens after it."""
         if limit is None or len(ids) <= limit:
             return ids, False
-        return (ids if drop else ids[-limit:]), True
+        if drop:
+            return ids, True
+        if keep is None:
+            keep = next((i for i, t in enumerate(ids) if t not in special_ids), len(ids))
+        if keep >= limit:
+            raise ValueError(f"Row {index} of the dataset: max_prompt_length={limit} leaves no room for the prompt "
+                             f"after its first {keep} tokens (leading special tokens / the chat template's header, "
+                             "which truncation keeps): raise max_prompt_length, or use prompt_truncation='drop'.")
+        return ids[:keep] + ids[len(ids) - (limit - keep):], True
 
     def tokenize_batch(batch, indices):
         out_ids, out_text, over = [], [], []
@@ -209,16 +236,19 @@ def prepare_prompts(
                 if kind == "invalid" and isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
                     kind = "messages"
                 raise _row_error(index, "prompt", kind, value, form)
+            keep = None
             if form == "text":
                 text = value
                 ids = tokenizer(text)["input_ids"]  # the tokenizer's default special tokens, as TRL does
             else:
                 text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds them
+                if limit is not None and len(ids) > limit:
+                    keep = _header_length(tokenizer, text, value)
             if not ids:
                 raise ValueError(f"Row {index} of the dataset: the prompt {value!r} tokenizes to no tokens; every "
                                  "prompt needs at least one token. Remove the row.")
-            ids, is_over = cut(list(ids))
+            ids, is_over = cut(list(ids), index, keep)
             out_ids.append(ids)
             out_text.append(text)
             over.append(is_over)
@@ -237,7 +267,7 @@ def prepare_prompts(
                 ids = [t for t, m in zip(ids, mask) if m]
                 if not ids:
                     raise _row_error(index, "input_ids", "empty", ids, None)
-            ids, is_over = cut(ids)
+            ids, is_over = cut(ids, index)
             out_ids.append(ids)
             over.append(is_over)
         return {"input_ids": out_ids, _OVER: over}

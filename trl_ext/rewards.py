@@ -324,6 +324,13 @@ class RewardScorer:
         """{name: module} of the reward models (to move them to a device, prepare them, set eval mode)."""
         return {src.name: src.obj for src in self._sources if src.kind != "function"}
 
+    def tokenizer_of(self, name: str):
+        """The reward model's own tokenizer, or None if it reads the policy's token ids."""
+        for src in self._sources:
+            if src.name == name:
+                return src.tokenizer
+        raise KeyError(f"no reward named {name!r}; the rewards are {self.names}.")
+
     def replace_model(self, name: str, module: nn.Module) -> None:
         """Swap a reward model for its prepared/wrapped version (e.g. after `prepare_deepspeed`)."""
         for src in self._sources:

@@ -25,6 +25,7 @@ class Rollout:
     advantages: torch.Tensor  # (B, T) GAE advantages, whitened over real tokens (what the loss uses)
     returns: torch.Tensor  # (B, T) raw GAE advantages + values (the value target)
     source_scores: torch.Tensor | None = None  # (B, S) raw score of each reward source (PPOTrainer.reward_scorer.names)
+    sampler_logprobs: torch.Tensor | None = None  # (B, T) the sampler's own log-probs of the tokens; 0 outside the mask
 
     def __len__(self) -> int:
         return self.queries.shape[0]

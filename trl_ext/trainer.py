@@ -21,6 +21,7 @@ import shutil
 import time
 from collections import defaultdict
 from contextlib import contextmanager, nullcontext
+from pathlib import Path
 
 import torch
 from accelerate import Accelerator
@@ -33,7 +34,6 @@ from transformers.trainer_callback import CallbackHandler, ExportableState, Prin
 from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints, set_seed
 from transformers.utils import is_peft_available
 from trl.models.utils import unwrap_model_for_generation
-from trl.trainer.utils import disable_dropout_in_model
 
 from ._trl import OnlineTrainerState, TRLPPOTrainer, create_reference_model
 from .alarms import AlarmCallback
@@ -58,8 +58,10 @@ from .models import (
     LOGPROB_CHUNK,
     PolicyAndValueWrapper,
     SharedBaseModels,
+    Sampling,
     build_value_model,
     disable_bnb_cpu_repack,
+    disable_dropout,
     generate_responses,
     is_quantized,
     lora_for_quantized_value_model,
@@ -177,6 +179,20 @@ class PPOTrainer(TRLPPOTrainer):
             self.extra_columns = tuple(prepared.extra_columns)
             data_collator = LeftPaddingCollator(tokenizer, self.extra_columns)
 
+        # Rewards: models (the policy's tokenizer or their own), functions, or a weighted list (trl_ext/rewards.py)
+        self.reward_model = reward_model
+        self.reward_scorer = RewardScorer(reward_model, tokenizer, args.reward_weights, reward_processing_classes)
+
+        # The critic, built before PEFT touches the policy (value_model_init="policy" copies the plain backbone)
+        if self.shared is not None:
+            value_model = self.shared.value_model  # the critic adapter + value head
+        else:
+            critic_source = self._reward_model_for_critic() if args.value_model_init == "reward_model" else None
+            value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, model,
+                                            critic_source)
+            # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
+            value_model = lora_for_quantized_value_model(value_model, peft_config)
+
         # PEFT
         if peft_config is not None:
             if not is_peft_available():
@@ -200,9 +216,6 @@ class PPOTrainer(TRLPPOTrainer):
         else:
             self.ref_model = create_reference_model(self.policy_model)
 
-        # Rewards: models (the policy's tokenizer or their own), functions, or a weighted list (trl_ext/rewards.py)
-        self.reward_model = reward_model
-        self.reward_scorer = RewardScorer(reward_model, tokenizer, args.reward_weights, reward_processing_classes)
         self.reward_normalizer = RewardNormalizer(args.reward_norm, args.reward_norm_mean, args.reward_norm_std,
                                                   args.reward_clip)
         self.eval_reward = eval_reward  # a gold scorer for evaluation only (never trained on)
@@ -211,13 +224,7 @@ class PPOTrainer(TRLPPOTrainer):
             raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
         self.train_dataset = train_dataset
         self.train_dataset_len = len(train_dataset)
-        if self.shared is not None:
-            self.value_model = self.shared.value_model  # the critic adapter + value head
-        else:
-            self.value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, model,
-                                                 reward_model)
-            # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
-            self.value_model = lora_for_quantized_value_model(self.value_model, peft_config)
+        self.value_model = value_model
         self.data_collator = data_collator
         self.eval_dataset = eval_dataset
         self.optimizer, self.lr_scheduler = optimizers
@@ -234,9 +241,9 @@ class PPOTrainer(TRLPPOTrainer):
         args.local_mini_batch_size = _exact_div(args.local_batch_size, args.num_mini_batches,
                                                 "per-process batch (per_device_train_batch_size x "
                                                 "gradient_accumulation_steps) must split into num_mini_batches")
-        micro_batches_per_minibatch = _exact_div(args.local_mini_batch_size, args.per_device_train_batch_size,
-                                                 "per-process minibatch must split into per_device_train_batch_size "
-                                                 "micro-batches")
+        # TRL's micro-batch rule: per_device_train_batch_size rows at a time, the last micro-batch of a minibatch
+        # possibly smaller (a minibatch smaller than per_device_train_batch_size is one micro-batch)
+        micro_batches_per_minibatch = math.ceil(args.local_mini_batch_size / args.per_device_train_batch_size)
         # One optimizer step per minibatch: accumulate over its micro-batches, never sync at the dataloader's end
         # (TRL accumulated over gradient_accumulation_steps micro-batches, straddling minibatches).
         self.accelerator = accelerator = Accelerator(
@@ -267,7 +274,7 @@ class PPOTrainer(TRLPPOTrainer):
             scorer_models += list(self.eval_scorer.models.values())
         for module in [self.policy_model, self.ref_model, self.value_model] + scorer_models:
             if isinstance(module, torch.nn.Module):
-                disable_dropout_in_model(module)
+                disable_dropout(module)  # nn.Dropout modules and dropout rates held as numbers
                 # bitsandbytes on AVX512-BF16 CPUs: no in-place repacking of 4-bit weights (it breaks LoRA gradients)
                 disable_bnb_cpu_repack(module)
         if self.shared is not None:
@@ -354,8 +361,9 @@ class PPOTrainer(TRLPPOTrainer):
             for module in scorer_models:
                 module.to(accelerator.device)
 
-        self.generation_config = sampling_config(args.response_length, args.temperature, self.stop_token_id,
-                                                 tokenizer.pad_token_id)
+        # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
+        self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
+        self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
 
     # ------------------------------------------------------------------------------------------------ helpers
     @staticmethod
@@ -372,6 +380,26 @@ class PPOTrainer(TRLPPOTrainer):
         if args.ref_adapter_name:
             raise ValueError(f"ref_adapter_name={args.ref_adapter_name!r} is not used with a shared-base model (the "
                              "reference is the base with adapters disabled): unset it.")
+
+    def _reward_model_for_critic(self):
+        """The reward model value_model_init="reward_model" copies: the one reward model, which must read the
+        policy's token ids (the critic reads them through its embedding table)."""
+        models = self.reward_scorer.models
+        if not models:
+            raise ValueError("value_model_init='reward_model' needs a reward *model*; the rewards are functions. Use "
+                             "value_model_init='policy' or pass a value_model.")
+        if len(models) != 1:
+            raise ValueError(f"value_model_init='reward_model' copies the reward model, but the rewards hold "
+                             f"{len(models)} models ({list(models)}): pass a value_model (e.g. a copy of the one to "
+                             "start from), or use value_model_init='policy'.")
+        (name, reward_model), = models.items()
+        own = self.reward_scorer.tokenizer_of(name)
+        if own is not None and own.get_vocab() != self.processing_class.get_vocab():
+            raise ValueError(f"value_model_init='reward_model' copies {name!r}, which has its own tokenizer with another "
+                             "vocabulary: the critic reads the policy's token ids, which mean other tokens in its "
+                             "embedding table. Use value_model_init='policy', or pass a value_model that shares the "
+                             "policy's tokenizer.")
+        return reward_model
 
     def create_optimizer(self, model=None):
         """Trainer's optimizer; with `critic_learning_rate`, the value model's parameters get their own groups."""
@@ -450,12 +478,14 @@ class PPOTrainer(TRLPPOTrainer):
         query_mask = query_mask.bool()
         check_left_padded(query_mask)
 
-        # 1. generate: sample from softmax(logits / temperature), nothing else
+        # 1. generate: sample from softmax(logits / temperature), nothing else, in the loss's precision; the
+        # sampler's own log-probs are kept to compare with the trainer's (rollout/sampler_logprob_diff_*)
         self._phase("generating")
         with unwrap_model_for_generation(self.model, accelerator,
-                                         gather_deepspeed3_params=args.ds3_gather_for_generation) as unwrapped:
-            responses = generate_responses(unwrapped.policy, queries, query_mask, self.generation_config,
-                                           tok.pad_token_id, args.local_rollout_forward_batch_size)
+                                         gather_deepspeed3_params=args.ds3_gather_for_generation) as unwrapped, \
+                accelerator.autocast():
+            responses, sampler_logprobs = generate_responses(unwrapped.policy, queries, query_mask, self.sampling,
+                                                             args.local_rollout_forward_batch_size)
 
         # 2. response mask from the stop position (the stop token is real; nothing after it is)
         T = responses.shape[1]
@@ -507,16 +537,39 @@ class PPOTrainer(TRLPPOTrainer):
         advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
         return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
                        logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
-                       rewards=rewards, advantages=advantages, returns=returns, source_scores=source_scores)
+                       rewards=rewards, advantages=advantages, returns=returns, source_scores=source_scores,
+                       sampler_logprobs=sampler_logprobs.to(logprobs.device) * response_mask)
 
     # ------------------------------------------------------------------------------------------------ update
-    def _grad_norm(self, params) -> float:
-        norms = [p.grad.detach().float().norm() for p in params if p.grad is not None]
-        return torch.linalg.vector_norm(torch.stack(norms)).item() if norms else 0.0
+    def _clip_gradients(self, stats: dict, critic_only: bool) -> None:
+        """Before an optimizer step: drop the policy's gradients in critic warmup; then clip the policy's and the
+        critic's gradients each to `max_grad_norm` on its own (one joint norm lets the critic's gradient throttle the
+        policy's step), logging each pre-clip norm. Under fp16 the gradients are unscaled first."""
+        args, wrapper = self.args, self.unwrapped
+        if critic_only:
+            for p in wrapper.policy_parameters():
+                p.grad = None  # torch optimizers skip parameters without a gradient
+        if self.is_deepspeed_enabled:  # DeepSpeed clips inside its engine, with one norm over all parameters
+            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+            stats["policy/grad_norm"].append(float(norm or 0.0))
+            stats["val/grad_norm"].append(float(norm or 0.0))
+            return
+        self.accelerator.unscale_gradients()
+        max_norm = args.max_grad_norm if args.max_grad_norm is not None and args.max_grad_norm > 0 else math.inf
+        for key, params in (("policy/grad_norm", wrapper.policy_parameters()),
+                            ("val/grad_norm", wrapper.value_parameters())):
+            with_grad = [p for p in params if p.grad is not None]
+            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if with_grad else torch.zeros(())
+            stats[key].append(norm.item())
 
     def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> dict[str, list[float]]:
         """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches (gradient accumulation over
         micro-batches), clipped policy and value losses, gradients clipped to `max_grad_norm`.
+
+        Both losses are token means over the whole minibatch: Σ over its real tokens on every process / the number
+        of those tokens. Each micro-batch's backward carries its share (its token sum / that count), scaled up by
+        the accumulation steps and the process count that accelerate and DDP divide by, so the update is the same
+        for any gradient_accumulation_steps and any number of processes (TRL 1.12 averaged per-micro-batch means).
 
         critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
         weights nor its optimizer state change; only the value model learns.
@@ -527,35 +580,31 @@ class PPOTrainer(TRLPPOTrainer):
         critic each run forward and backward with their own adapter active (one backward per role)."""
         args, accelerator = self.args, self.accelerator
         stats = defaultdict(list)
-        wrapper = self.unwrapped
+        B, mini, micro = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
+        # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
+        loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
         for epoch in range(args.num_ppo_epochs):
-            order = torch.randperm(args.local_batch_size, device=rollout.queries.device)
-            for mb_start in range(0, args.local_batch_size, args.local_mini_batch_size):
-                minibatch = order[mb_start : mb_start + args.local_mini_batch_size]
-                for mc_start in range(0, args.local_mini_batch_size, args.per_device_train_batch_size):
-                    mb = rollout[minibatch[mc_start : mc_start + args.per_device_train_batch_size]]
+            order = torch.randperm(B, device=rollout.queries.device)
+            starts = range(0, B, mini)
+            # real response tokens of each minibatch summed over processes: the token means' denominators
+            num_tokens = self._sum_over_processes(torch.stack(
+                [rollout.response_mask[order[s : s + mini]].sum() for s in starts]).float())
+            for k, mb_start in enumerate(starts):
+                minibatch = order[mb_start : mb_start + mini]
+                for mc_start in range(0, mini, micro):
+                    mb = rollout[minibatch[mc_start : mc_start + micro]]
                     with accelerator.accumulate(self.model):
                         inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
-                        if self.shared is not None:
-                            out = self._shared_losses(inputs, mb, critic_only)
-                        else:
-                            out = self._losses(inputs, mb, critic_only)
-                        pg_loss, pg_stats, vf_loss, vf_stats, entropy = out
+                        losses = self._shared_losses if self.shared is not None else self._losses
+                        pg_stats, vf_stats, entropy = losses(inputs, mb, critic_only, num_tokens[k], loss_scale)
                         if accelerator.sync_gradients:
-                            if critic_only:
-                                for p in wrapper.policy_parameters():
-                                    p.grad = None  # torch optimizers skip parameters without a gradient
-                            # pre-clip norms, then clip (TRL 1.12 ignored max_grad_norm)
-                            stats["policy/grad_norm"].append(self._grad_norm(wrapper.policy_parameters()))
-                            stats["val/grad_norm"].append(self._grad_norm(wrapper.value_parameters()))
-                            if args.max_grad_norm is not None and args.max_grad_norm > 0:
-                                accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
+                            self._clip_gradients(stats, critic_only)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
                     stats["policy/approxkl_avg"].append(pg_stats["approxkl"].item())
                     stats["policy/clipfrac_avg"].append(pg_stats["clipfrac"].item())
-                    stats["loss/policy_avg"].append(pg_loss.item())
-                    stats["loss/value_avg"].append(vf_loss.item())
+                    stats["loss/policy_avg"].append(pg_stats["loss"].item())
+                    stats["loss/value_avg"].append(vf_stats["loss"].item())
                     stats["val/clipfrac_avg"].append(vf_stats["clipfrac"].item())
                     stats["policy/entropy_avg"].append(entropy.item())
                     stats["val/ratio"].append(pg_stats["ratio_mean"].item())
@@ -563,7 +612,7 @@ class PPOTrainer(TRLPPOTrainer):
                         stats["policy/ratio_first_minibatch"].append(pg_stats["ratio_mean"].item())
         return stats
 
-    def _policy_terms(self, logits: torch.Tensor, mb: Rollout):
+    def _policy_terms(self, logits: torch.Tensor, mb: Rollout, num_tokens):
         """(b, T+1 or L, V) policy logits -> (policy loss, its stats, mean entropy); the entropy is taken under
         no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns."""
         args, T = self.args, mb.responses.shape[1]
@@ -573,28 +622,30 @@ class PPOTrainer(TRLPPOTrainer):
             entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
                                   mb.response_mask)
         pg_loss, pg_stats = clipped_policy_loss(new_logprobs, mb.logprobs, mb.advantages, mb.response_mask,
-                                                args.cliprange)
+                                                args.cliprange, num_tokens)
         return pg_loss, pg_stats, entropy
 
-    def _value_terms(self, values: torch.Tensor, mb: Rollout):
+    def _value_terms(self, values: torch.Tensor, mb: Rollout, num_tokens):
         T = mb.responses.shape[1]
         vpred = values[:, -T - 1 : -1].float()
-        return clipped_value_loss(vpred, mb.values, mb.returns, mb.response_mask, self.args.cliprange_value)
+        return clipped_value_loss(vpred, mb.values, mb.returns, mb.response_mask, self.args.cliprange_value,
+                                  num_tokens)
 
-    def _losses(self, inputs: dict, mb: Rollout, critic_only: bool):
-        """Separate policy and value models: one forward of the wrapper, one backward of the summed loss."""
+    def _losses(self, inputs: dict, mb: Rollout, critic_only: bool, num_tokens, loss_scale: float):
+        """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
+        micro-batch's share of the minibatch's token means, see `ppo_update`)."""
         T = mb.responses.shape[1]
         logits, values = self.model(**inputs, logits_to_keep=T + 1)
-        pg_loss, pg_stats, entropy = self._policy_terms(logits, mb)
+        pg_loss, pg_stats, entropy = self._policy_terms(logits, mb, num_tokens)
         del logits
-        vf_loss, vf_stats = self._value_terms(values, mb)
+        vf_loss, vf_stats = self._value_terms(values, mb, num_tokens)
         # in warmup the policy term is kept at weight 0 so every parameter still gets a gradient (DDP needs that);
         # those zeros are dropped before the optimizer step
         loss = (0.0 if critic_only else 1.0) * pg_loss + self.args.vf_coef * vf_loss
-        self.accelerator.backward(loss)
-        return pg_loss, pg_stats, vf_loss, vf_stats, entropy
+        self.accelerator.backward(loss * loss_scale)
+        return pg_stats, vf_stats, entropy
 
-    def _shared_losses(self, inputs: dict, mb: Rollout, critic_only: bool):
+    def _shared_losses(self, inputs: dict, mb: Rollout, critic_only: bool, num_tokens, loss_scale: float):
         """Shared base: the policy pass (adapter "policy") and the critic pass (adapter "critic"), each with its
         backward inside its adapter context, since gradient checkpointing recomputes layers with the adapter
         active at backward time. The gradients are the same as one backward of the summed loss (the two losses
@@ -602,15 +653,15 @@ class PPOTrainer(TRLPPOTrainer):
         T = mb.responses.shape[1]
         with self.shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
             logits = self.model(**inputs, logits_to_keep=T + 1, role="policy")
-            pg_loss, pg_stats, entropy = self._policy_terms(logits, mb)
+            pg_loss, pg_stats, entropy = self._policy_terms(logits, mb, num_tokens)
             del logits
             if not critic_only:
-                self.accelerator.backward(pg_loss)
+                self.accelerator.backward(pg_loss * loss_scale)
         with self.shared.adapter("critic"):
             values = self.model(**inputs, role="value")
-            vf_loss, vf_stats = self._value_terms(values, mb)
-            self.accelerator.backward(self.args.vf_coef * vf_loss)
-        return pg_loss.detach(), pg_stats, vf_loss.detach(), vf_stats, entropy
+            vf_loss, vf_stats = self._value_terms(values, mb, num_tokens)
+            self.accelerator.backward(self.args.vf_coef * vf_loss * loss_scale)
+        return pg_stats, vf_stats, entropy
 
     # ------------------------------------------------------------------------------------------------ logging
     def metrics(self, rollout: Rollout, stats: dict[str, list[float]], kl_coef: float, warmup: bool) -> dict:
@@ -746,8 +797,22 @@ class PPOTrainer(TRLPPOTrainer):
         if self.accelerator.num_processes > 1:
             self.accelerator.wait_for_everyone()
 
+    def _write_model_card(self) -> None:
+        """`output_dir/README.md`, the model card TRL's trainers write with every checkpoint (TRL's
+        `create_model_card`: base model, tags, how to cite PPO), named after the output folder or `hub_model_id`."""
+        args = self.args
+        model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
+        wrapped, self.model = self.model, self.unwrapped  # TRL reads self.model.config, which DDP's shell hides
+        try:
+            self.create_model_card(model_name=model_name)
+        finally:
+            self.model = wrapped
+
     def _save_checkpoint(self, model, trial):
-        """Write `checkpoint-N` atomically: everything into `checkpoint-N.partial`, then one rename."""
+        """Write `checkpoint-N` atomically: everything into `checkpoint-N.partial`, then one rename; and the model
+        card (`output_dir/README.md`), as TRL does."""
+        if self.accelerator.is_main_process:
+            self._write_model_card()
         run_dir = self.args.output_dir
         final = os.path.join(run_dir, f"checkpoint-{self.state.global_step}")
         staging = final + ".partial"
@@ -820,19 +885,34 @@ class PPOTrainer(TRLPPOTrainer):
         """Responses of the policy (or the reference) drawn with their own RNG stream `seed`: the training RNG is
         untouched, and policy and reference share random numbers (a paired comparison: identical models give
         identical completions)."""
-        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
-        with torch.random.fork_rng(devices=devices):
-            torch.manual_seed(seed)
+        with self._own_rng(seed):
             if reference and self.ref_model is not None:
                 model, context = self.ref_model, nullcontext()
             else:
                 model, context = self.unwrapped.policy, self.null_ref_context() if reference else nullcontext()
-            with context:
-                responses = generate_responses(model, queries, query_mask, self.generation_config,
-                                               self.processing_class.pad_token_id,
-                                               self.args.local_rollout_forward_batch_size)
+            with context, self.accelerator.autocast():
+                responses, _ = generate_responses(model, queries, query_mask, self.sampling,
+                                                  self.args.local_rollout_forward_batch_size)
         response_mask = response_mask_from_stop(responses, self.stop_token_id)
         return responses.masked_fill(~response_mask, self.processing_class.pad_token_id), response_mask
+
+    @contextmanager
+    def _own_rng(self, seed: int):
+        """Draw from an RNG stream of its own inside (seeded with `seed`); the training RNG is restored after."""
+        devices = [self.accelerator.device] if self.accelerator.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            torch.manual_seed(seed)
+            yield
+
+    def _eval_batches(self):
+        """(index, batch) of this process's share of `eval_dataset`, the prompt tensors on the training device."""
+        device = self.accelerator.device
+        for i, batch in enumerate(self.eval_dataloader):
+            yield i, {**batch, "input_ids": batch["input_ids"].to(device),
+                      "attention_mask": batch["attention_mask"].to(device).bool()}
+
+    def _eval_seed(self, batch_index: int) -> int:
+        return self.args.seed + 100003 * self.accelerator.process_index + 7919 * self.state.global_step + batch_index
 
     @torch.no_grad()
     def evaluate_policy(self) -> dict[str, float]:
@@ -845,9 +925,9 @@ class PPOTrainer(TRLPPOTrainer):
         args = self.args
         device = self.accelerator.device
         rows = []
-        for i, batch in enumerate(self.eval_dataloader):
-            queries, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device).bool()
-            seed = args.seed + 100003 * self.accelerator.process_index + 7919 * self.state.global_step + i
+        for i, batch in self._eval_batches():
+            queries, query_mask = batch["input_ids"], batch["attention_mask"]
+            seed = self._eval_seed(i)
             responses, response_mask = self._sample(queries, query_mask, seed, reference=False)
             ref_responses, ref_mask = self._sample(queries, query_mask, seed, reference=True)
             inputs = sequence_inputs(queries, query_mask, responses, response_mask)
@@ -877,18 +957,22 @@ class PPOTrainer(TRLPPOTrainer):
     # ------------------------------------------------------------------------------------------------ samples
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False):
-        """Print (and report) a few completions of `eval_dataset` prompts with their scores."""
+        """Print a few completions of `eval_dataset` prompts with their scores (the first batch only if `sampling`).
+        Drawn from an RNG stream of their own, so calling this never changes the training run."""
         if self.eval_dataloader is None:
             return
         tok, rows = self.processing_class, []
-        for batch in self.eval_dataloader:
-            queries, query_mask = batch["input_ids"], batch["attention_mask"].bool()
+        for i, batch in self._eval_batches():
+            queries, query_mask = batch["input_ids"], batch["attention_mask"]
             with unwrap_model_for_generation(self.model, self.accelerator,
-                                             gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped:
-                responses = generate_responses(unwrapped.policy, queries, query_mask, self.generation_config,
-                                               tok.pad_token_id, queries.shape[0])
+                                             gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped, \
+                    self._own_rng(self._eval_seed(i)), self.accelerator.autocast():
+                responses, _ = generate_responses(unwrapped.policy, queries, query_mask, self.sampling,
+                                                  self.args.local_rollout_forward_batch_size)
             response_mask = response_mask_from_stop(responses, self.stop_token_id)
-            scores = self.reward_scorer(queries, query_mask, responses, response_mask, extra_columns(batch))[0]
+            responses = responses.masked_fill(~response_mask, tok.pad_token_id)
+            with self.accelerator.autocast():
+                scores = self.reward_scorer(queries, query_mask, responses, response_mask, extra_columns(batch))[0]
             for q, qm, r, rm, s in zip(queries, query_mask, responses, response_mask, scores):
                 rows.append((tok.decode(q[qm], skip_special_tokens=True), tok.decode(r[rm]), float(s)))
             if sampling:

@@ -28,6 +28,7 @@ import torch
 from transformers import TrainerCallback
 
 import trl_ext.trainer as trainer_module
+from trl_ext.models import generate_responses as _generate
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
@@ -39,23 +40,21 @@ RESUME_STEPS = 4
 _ROLLOUTS = [0]  # rollouts sampled so far by `seeded_generate` in this process
 
 
-def seeded_generate(policy, queries, query_mask, generation_config, pad_token_id, chunk_size):
+def seeded_generate(policy, queries, query_mask, sampling, chunk_size):
     """Drop-in for `generate_responses`: each row sampled on its own, unpadded, from an RNG stream seeded by its
     prompt ids and the rollout number, so a prompt gets the same response whichever process and batch it is in."""
     rollout_number = _ROLLOUTS[0]
     _ROLLOUTS[0] += 1
-    T = generation_config.max_new_tokens
-    out = torch.full((queries.shape[0], T), pad_token_id, dtype=queries.dtype, device=queries.device)
-    for i, (q, m) in enumerate(zip(queries, query_mask.bool())):
+    out, logprobs = [], []
+    for q, m in zip(queries, query_mask.bool()):
         ids = q[m][None]  # (1, real prompt length)
         seed = zlib.crc32(f"{ids.tolist()}|{rollout_number}".encode())
         with torch.random.fork_rng():
             torch.manual_seed(seed)
-            seq = policy.generate(input_ids=ids, attention_mask=torch.ones_like(ids),
-                                  generation_config=generation_config)
-        response = seq[0, ids.shape[1]:]
-        out[i, : response.shape[0]] = response
-    return out
+            response, logprob = _generate(policy, ids, torch.ones_like(ids, dtype=torch.bool), sampling, 1)
+        out.append(response)
+        logprobs.append(logprob)
+    return torch.cat(out), torch.cat(logprobs)
 
 
 @contextmanager

@@ -2,7 +2,10 @@
 
 Shapes: B = batch, T = response length, V = vocab, C = chunk of positions.
 
-Losses average over real tokens of the whole minibatch (masked_mean over B × T), as in TRL.
+Losses are token means: Σ over real tokens / the number of real tokens. By default that number is this batch's own
+(masked_mean over B × T, TRL's rule); `num_tokens` gives the count of a whole minibatch spread over micro-batches and
+processes instead, so each micro-batch's loss is its share of the minibatch's token mean and the shares add up to it
+whatever the gradient accumulation and the process count.
 
 Memory: `token_logprobs` and `entropy_from_logits(chunk_size=...)` never hold a full-vocabulary fp32 tensor of
 shape (B, T, V): they work on C positions at a time, and `token_logprobs`' backward recomputes the softmax of each
@@ -14,6 +17,14 @@ import torch
 import torch.nn.functional as F
 
 from .masks import masked_mean
+
+
+def token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Tensor:
+    """Σ x over real tokens / `num_tokens` (a number or 0-dim tensor: the real tokens of the whole minibatch); None:
+    / this batch's own real tokens (= masked_mean)."""
+    if num_tokens is None:
+        return masked_mean(x, mask)
+    return torch.where(mask, x, 0).sum() / num_tokens
 
 
 def _check_same_shape(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -29,8 +40,9 @@ def clipped_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange: float,
+    num_tokens=None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """PPO-clip policy loss: masked_mean(max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε))), ρ = π_θ / π_old.
+    """PPO-clip policy loss: token mean of max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ = π_θ / π_old.
 
     # Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7 (negated: a loss to minimise)
 
@@ -40,10 +52,11 @@ def clipped_policy_loss(
         advantages: (B, T).
         response_mask: (B, T) bool.
         cliprange: ε > 0.
+        num_tokens: the denominator of the token mean (`token_mean`); None: this batch's real tokens.
 
     Returns:
         loss: 0-dim, differentiable.
-        stats: detached 0-dim tensors: "loss"; "clipfrac" (fraction of real tokens where the clipped term is the
+        stats: detached 0-dim tensors: "loss" (this batch's own token mean, whatever `num_tokens`); "clipfrac" (fraction of real tokens where the clipped term is the
             active one); "approxkl" (k3 estimate of KL(π_old ‖ π_θ) from samples of π_old: with
             log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ, http://joschu.net/blog/kl-approx.html);
             "ratio_mean", "ratio_max", "ratio_min" over real tokens.
@@ -57,11 +70,12 @@ def clipped_policy_loss(
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
-    loss = masked_mean(torch.max(pg_losses, pg_losses2), response_mask)
+    per_token = torch.max(pg_losses, pg_losses2)
+    loss = token_mean(per_token, response_mask, num_tokens)
     with torch.no_grad():
         ratio_d = ratio.detach()
         stats = {
-            "loss": loss.detach(),
+            "loss": masked_mean(per_token.detach(), response_mask),
             "clipfrac": masked_mean((pg_losses2 > pg_losses).float(), response_mask),
             "approxkl": masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask),
             "ratio_mean": masked_mean(ratio_d, response_mask),
@@ -77,8 +91,9 @@ def clipped_value_loss(
     returns: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange_value: float,
+    num_tokens=None,
 ) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
-    """Clipped value loss: ½ · masked_mean(max((V − R)², (V_clip − R)²)),
+    """Clipped value loss: ½ · token mean of max((V − R)², (V_clip − R)²),
     with V_clip = V_old + clip(V − V_old, −c, c).
 
     # https://github.com/openai/baselines/blob/master/baselines/ppo2/model.py (vpredclipped)
@@ -89,10 +104,11 @@ def clipped_value_loss(
         returns: (B, T) value targets.
         response_mask: (B, T) bool.
         cliprange_value: c > 0.
+        num_tokens: the denominator of the token mean (`token_mean`); None: this batch's real tokens.
 
     Returns:
         loss: 0-dim, differentiable.
-        stats: detached 0-dim tensors "loss", "clipfrac" (fraction of real tokens where the clipped error is
+        stats: detached 0-dim tensors "loss" (this batch's own token mean), "clipfrac" (fraction of real tokens where the clipped error is
             larger, i.e. active), "values_mean".
     """
     if not cliprange_value > 0:
@@ -103,10 +119,11 @@ def clipped_value_loss(
     values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
     vf_losses1 = (values - returns).square()
     vf_losses2 = (values_clipped - returns).square()
-    loss = 0.5 * masked_mean(torch.max(vf_losses1, vf_losses2), response_mask)
+    per_token = 0.5 * torch.max(vf_losses1, vf_losses2)
+    loss = token_mean(per_token, response_mask, num_tokens)
     with torch.no_grad():
         stats = {
-            "loss": loss.detach(),
+            "loss": masked_mean(per_token.detach(), response_mask),
             "clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), response_mask),
             "values_mean": masked_mean(values.detach(), response_mask),
         }
