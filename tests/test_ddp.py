@@ -7,8 +7,8 @@ One `accelerate launch` of tests/scripts/ddp_runs.py runs four trainers in the s
   design, and the script makes it equal in both runs (`ddp_runs.matched_sampling`): each process samples with its
   own RNG stream (here each prompt's response comes from a stream seeded by the prompt and the iteration). The
   advantages are the trainer's own: trl_ext whitens them over all processes (TRL whitens each process's share on
-  its own, which this test would catch). Responses have no stop token, so each process holds as many response tokens and the average of the processes' per-token loss
-  means is the global mean. Everything else — which prompts each process gets, gradient averaging, optimizer
+  its own, which this test would catch). Responses stop at a likely EOS, so the processes hold different numbers of
+  response tokens; the losses are token means over the tokens of all processes. Everything else — which prompts each process gets, gradient averaging, optimizer
   steps, the learning-rate schedule, adaptive β from the gathered KL, metrics reduced over processes — is the
   trainer's own, so a bug in any of them moves the weights by far more than the tolerance (1e-5; measured 3e-7).
 - `straight` / `interrupted` + `resumed`: default sampling (each process its own RNG stream), 4 iterations
@@ -61,13 +61,14 @@ def test_two_processes_match_one_process_with_the_same_global_batch(ddp_results,
     assert ddp["world_size"] == 2 and one["world_size"] == 1
     assert ddp["global_step"] == one["global_step"] == ddp_runs.MATCHED_STEPS
 
-    initial = ddp_runs.build(str(tmp_path / "init"), 8, 1)
+    initial = ddp_runs.build(str(tmp_path / "init"), 8, 1, eos_bias=2.0)
     for part, module in (("policy", initial.unwrapped.policy), ("value", initial.unwrapped.value_model)):
         moved = (one[part] - ddp_runs.flat(module)).abs().max().item()
         assert moved > 1e-3, f"the {part} barely trained ({moved:.2e}); the comparison would be empty"
         torch.testing.assert_close(ddp[part], one[part], rtol=0, atol=1e-5, msg=f"{part} weights differ")
 
     assert len(ddp["logs"]) == len(one["logs"]) == ddp_runs.MATCHED_STEPS
+    assert all(log["rollout/response_length_mean"] < 5 for log in one["logs"])  # ragged: most responses stop
     for step, (a, b) in enumerate(zip(ddp["logs"], one["logs"]), 1):
         keys = set(a) - NOT_COMPARED
         assert keys == set(b) - NOT_COMPARED

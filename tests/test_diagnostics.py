@@ -9,7 +9,7 @@ import torch
 
 from trl_ext import PPOConfig, PPOTrainer, Rollout
 from trl_ext.core import explained_variance
-from trl_ext.diagnostics import rollout_metrics, update_metrics
+from trl_ext.diagnostics import TOKEN_STATS, UpdateStats, rollout_metrics, update_metrics
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 EOS = 1
@@ -92,11 +92,25 @@ def test_explained_variance_matches_the_core_function_on_ragged_batches(seed):
 
 
 def test_update_metrics_by_hand():
-    got = update_metrics({"val/ratio": [1.0, 1.2], "policy/clipfrac_avg": [0.1, 0.3]})
-    assert got["val/ratio"] == pytest.approx(1.1)
-    assert got["policy/clipfrac_avg"] == pytest.approx(0.2)
+    """Two micro-batches of 1 and 3 real tokens: token statistics are token means over both (not the mean of the two
+    means); the first-minibatch ratio is the first micro-batch's; the ratio variance is over micro-batch means."""
+    u = UpdateStats()
+    means = {key: torch.tensor(0.0) for key in TOKEN_STATS}
+    u.add(torch.tensor(1), first_minibatch=True, **{**means, "val/ratio": torch.tensor(1.0),
+                                                     "policy/clipfrac_avg": torch.tensor(0.1)})
+    u.add(torch.tensor(3), first_minibatch=False, **{**means, "val/ratio": torch.tensor(1.2),
+                                                      "policy/clipfrac_avg": torch.tensor(0.3)})
+    u.add_step("policy/grad_norm", 2.0)
+    u.add_step("policy/grad_norm", 4.0)
+    got = update_metrics(u)
+    assert got["val/ratio"] == pytest.approx((1.0 + 3 * 1.2) / 4)
+    assert got["policy/clipfrac_avg"] == pytest.approx((0.1 + 3 * 0.3) / 4)
+    assert got["policy/ratio_first_minibatch"] == pytest.approx(1.0)
     assert got["val/ratio_var"] == pytest.approx(0.02)  # unbiased variance of [1.0, 1.2]
-    assert update_metrics({"val/ratio": [1.05]})["val/ratio_var"] == 0.0  # one micro-batch: 0, not NaN
+    assert got["policy/grad_norm"] == pytest.approx(3.0)
+    one = UpdateStats()
+    one.add(torch.tensor(2), first_minibatch=True, **{**means, "val/ratio": torch.tensor(1.05)})
+    assert update_metrics(one)["val/ratio_var"] == 0.0  # one micro-batch: 0, not NaN
 
 
 def test_a_run_writes_its_run_folder_and_a_progress_bar(tmp_path, capsys):

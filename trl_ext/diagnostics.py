@@ -1,5 +1,5 @@
-"""Per-step metrics of a PPO iteration: batch tensors in, a dict of floats out. The one place that reduces across
-processes and calls `.item()`.
+"""Per-step metrics of a PPO iteration: batch tensors in, a dict of floats out; where the metrics are reduced across
+processes.
 
 Every token statistic is over real response tokens only (`response_mask`), every sequence statistic over all rollouts
 of all processes: row tensors are gathered whole (each process holds the same number of rows), token statistics are
@@ -90,14 +90,54 @@ def sampler_metrics(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, mask
             "rollout/sampler_logprob_diff_mean": (rows[:, 1].sum() / rows[:, 0].sum().clamp(min=1)).item()}
 
 
-def update_metrics(stats: dict[str, list[float]], gather: Gather = _identity) -> dict:
-    """Means over the micro-batches of the PPO epochs (and over processes) of what `ppo_update` recorded."""
-    out = {}
-    for key, values in stats.items():
-        local = torch.tensor([sum(values) / len(values)], dtype=torch.float64)
-        out[key] = gather(local).mean().item()
-    ratios = torch.tensor(stats["val/ratio"], dtype=torch.float64)
-    # variance of the per-micro-batch mean ratios; 0 with a single micro-batch (TRL 1.12: NaN)
-    out["val/ratio_var"] = gather(torch.tensor([ratios.var().item() if len(ratios) > 1 else 0.0],
-                                               dtype=torch.float64)).mean().item()
+# the token statistics of the update: logged key -> the stat's name in `UpdateStats.add`
+TOKEN_STATS = ("policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
+               "policy/entropy_avg", "val/ratio")
+
+
+class UpdateStats:
+    """What one `PPOTrainer.ppo_update` records on this process; `update_metrics` reduces it over processes.
+
+    Token statistics (losses, clip fractions, approx-KL, entropy, ratio) are kept as sums over real tokens, so
+    their logged value is a token mean over every micro-batch of the update on every process (the same for any
+    gradient accumulation and process count, like the loss itself). Per optimizer step: the grad norms."""
+
+    def __init__(self):
+        self.token_sums: list[torch.Tensor] = []  # per micro-batch: (len(TOKEN_STATS),) Σ over its real tokens
+        self.num_tokens: list[torch.Tensor] = []  # per micro-batch: its real tokens
+        self.first_minibatch: list[torch.Tensor] = []  # per micro-batch of the first minibatch: (Σ ratio, tokens)
+        self.micro_batch_ratios: list[torch.Tensor] = []  # per micro-batch: its mean ratio (for val/ratio_var)
+        self.steps: dict[str, list[float]] = {}  # per optimizer step, e.g. "policy/grad_norm"
+
+    def add(self, num_tokens: torch.Tensor, first_minibatch: bool, **means: torch.Tensor) -> None:
+        """One micro-batch: its real-token count and its token means, by the names in TOKEN_STATS."""
+        row = torch.stack([means[key].detach().float() for key in TOKEN_STATS]) * num_tokens
+        self.token_sums.append(row)
+        self.num_tokens.append(num_tokens.float())
+        self.micro_batch_ratios.append(means["val/ratio"].detach().float())
+        if first_minibatch:
+            self.first_minibatch.append(torch.stack([row[TOKEN_STATS.index("val/ratio")], num_tokens.float()]))
+
+    def add_step(self, key: str, value: float) -> None:
+        self.steps.setdefault(key, []).append(float(value))
+
+
+def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gather: Gather = _identity) -> dict:
+    """The update's metrics: token means of the token statistics over all micro-batches and processes,
+    `policy/ratio_first_minibatch` (the token-mean ratio of the first minibatch, before any optimizer step: must be
+    1), `val/ratio_var` (variance of the per-micro-batch mean ratios; 0 with a single micro-batch, TRL 1.12: NaN),
+    and the mean of each per-step value (grad norms)."""
+    sums = torch.stack(u.token_sums).sum(0)
+    n = torch.stack(u.num_tokens).sum()
+    first = torch.stack(u.first_minibatch).sum(0)
+    totals = sum_over_processes(torch.cat([sums, n[None], first]).double())
+    k = len(TOKEN_STATS)
+    out = {key: (totals[i] / totals[k]).item() for i, key in enumerate(TOKEN_STATS)}
+    out["policy/ratio_first_minibatch"] = (totals[k + 1] / totals[k + 2]).item()
+    ratios = torch.stack(u.micro_batch_ratios).double()
+    local_var = ratios.var() if len(ratios) > 1 else torch.zeros((), dtype=torch.float64, device=ratios.device)
+    out["val/ratio_var"] = gather(local_var[None]).mean().item()
+    for key, values in u.steps.items():
+        out[key] = gather(torch.tensor([sum(values) / len(values)], dtype=torch.float64,
+                                       device=ratios.device)).mean().item()
     return out

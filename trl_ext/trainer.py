@@ -19,7 +19,6 @@ import math
 import os
 import shutil
 import time
-from collections import defaultdict
 from contextlib import contextmanager, nullcontext
 from pathlib import Path
 
@@ -53,7 +52,7 @@ from .core import (
     token_logprobs,
 )
 from .data import RolloutBatchSampler
-from .diagnostics import rollout_metrics, update_metrics
+from .diagnostics import UpdateStats, rollout_metrics, update_metrics
 from .models import (
     LOGPROB_CHUNK,
     PolicyAndValueWrapper,
@@ -541,7 +540,7 @@ class PPOTrainer(TRLPPOTrainer):
                        sampler_logprobs=sampler_logprobs.to(logprobs.device) * response_mask)
 
     # ------------------------------------------------------------------------------------------------ update
-    def _clip_gradients(self, stats: dict, critic_only: bool) -> None:
+    def _clip_gradients(self, stats: UpdateStats, critic_only: bool) -> None:
         """Before an optimizer step: drop the policy's gradients in critic warmup; then clip the policy's and the
         critic's gradients each to `max_grad_norm` on its own (one joint norm lets the critic's gradient throttle the
         policy's step), logging each pre-clip norm. Under fp16 the gradients are unscaled first."""
@@ -550,9 +549,9 @@ class PPOTrainer(TRLPPOTrainer):
             for p in wrapper.policy_parameters():
                 p.grad = None  # torch optimizers skip parameters without a gradient
         if self.is_deepspeed_enabled:  # DeepSpeed clips inside its engine, with one norm over all parameters
-            norm = self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm)
-            stats["policy/grad_norm"].append(float(norm or 0.0))
-            stats["val/grad_norm"].append(float(norm or 0.0))
+            norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm) or 0.0)
+            stats.add_step("policy/grad_norm", norm)
+            stats.add_step("val/grad_norm", norm)
             return
         self.accelerator.unscale_gradients()
         max_norm = args.max_grad_norm if args.max_grad_norm is not None and args.max_grad_norm > 0 else math.inf
@@ -560,9 +559,9 @@ class PPOTrainer(TRLPPOTrainer):
                             ("val/grad_norm", wrapper.value_parameters())):
             with_grad = [p for p in params if p.grad is not None]
             norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if with_grad else torch.zeros(())
-            stats[key].append(norm.item())
+            stats.add_step(key, norm.item())
 
-    def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> dict[str, list[float]]:
+    def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> UpdateStats:
         """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches (gradient accumulation over
         micro-batches), clipped policy and value losses, gradients clipped to `max_grad_norm`.
 
@@ -579,7 +578,7 @@ class PPOTrainer(TRLPPOTrainer):
         no_grad in chunks, and the logits are released before backward. With a shared base, the policy and the
         critic each run forward and backward with their own adapter active (one backward per role)."""
         args, accelerator = self.args, self.accelerator
-        stats = defaultdict(list)
+        stats = UpdateStats()
         B, mini, micro = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
         # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
         loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
@@ -601,15 +600,12 @@ class PPOTrainer(TRLPPOTrainer):
                             self._clip_gradients(stats, critic_only)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
-                    stats["policy/approxkl_avg"].append(pg_stats["approxkl"].item())
-                    stats["policy/clipfrac_avg"].append(pg_stats["clipfrac"].item())
-                    stats["loss/policy_avg"].append(pg_stats["loss"].item())
-                    stats["loss/value_avg"].append(vf_stats["loss"].item())
-                    stats["val/clipfrac_avg"].append(vf_stats["clipfrac"].item())
-                    stats["policy/entropy_avg"].append(entropy.item())
-                    stats["val/ratio"].append(pg_stats["ratio_mean"].item())
-                    if epoch == 0 and mb_start == 0:  # before any optimizer step of this iteration: must be 1.0
-                        stats["policy/ratio_first_minibatch"].append(pg_stats["ratio_mean"].item())
+                    # before any optimizer step of this iteration (the first minibatch) the ratio must be 1.0
+                    stats.add(mb.response_mask.sum(), first_minibatch=epoch == 0 and mb_start == 0, **{
+                        "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
+                        "loss/policy_avg": pg_stats["loss"], "loss/value_avg": vf_stats["loss"],
+                        "val/clipfrac_avg": vf_stats["clipfrac"], "policy/entropy_avg": entropy,
+                        "val/ratio": pg_stats["ratio_mean"]})
         return stats
 
     def _policy_terms(self, logits: torch.Tensor, mb: Rollout, num_tokens):
@@ -664,7 +660,7 @@ class PPOTrainer(TRLPPOTrainer):
         return pg_stats, vf_stats, entropy
 
     # ------------------------------------------------------------------------------------------------ logging
-    def metrics(self, rollout: Rollout, stats: dict[str, list[float]], kl_coef: float, warmup: bool) -> dict:
+    def metrics(self, rollout: Rollout, stats: UpdateStats, kl_coef: float, warmup: bool) -> dict:
         """Step 9: TRL's metric keys and trl_ext's (trl_ext/diagnostics.py), over real tokens and all processes.
         kl_coef: the β this rollout's rewards were shaped with."""
         gather = lambda t: self.accelerator.gather(t.to(self.accelerator.device))  # noqa: E731
@@ -672,7 +668,7 @@ class PPOTrainer(TRLPPOTrainer):
         if rollout.source_scores is not None:  # each reward source's raw (unweighted) mean score
             means = gather(rollout.source_scores.float()).mean(0)
             m.update({f"objective/scores/{name}": v.item() for name, v in zip(self.reward_scorer.names, means)})
-        m.update(update_metrics(stats, gather))
+        m.update(update_metrics(stats, self._sum_over_processes, gather))
         m["val/warmup"] = float(warmup)
         m.update(self.prompt_counts)
         m["lr"] = self.lr_scheduler.get_last_lr()[0]

@@ -11,8 +11,8 @@ model's weights (flattened) and the logged metrics of each step.
   GLOBAL_BATCH / processes), with the two things that legitimately differ between N processes and one made equal
   (`matched_sampling`): responses are sampled from an RNG stream seeded by the prompt and the iteration (each process
   otherwise samples with its own stream). Advantages need no patch: the trainer whitens them with statistics over all
-  processes (TRL whitens each process's share on its own). Responses have no stop token, so every process holds the
-  same number of response tokens and the mean of the processes' per-token loss means is the global mean.
+  processes (TRL whitens each process's share on its own). Responses stop at a likely EOS, so the processes hold
+  different numbers of response tokens: the losses are token means over all of them, as in one process.
 - `straight`: 4 iterations, default sampling; `interrupted`: the same settings, a checkpoint every iteration, stopped
   after 2; `resumed`: a fresh trainer resumed from `interrupted`'s checkpoint-2.
 """
@@ -79,7 +79,7 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def build(out_dir: str, per_device: int, steps: int, callbacks=(), **overrides) -> PPOTrainer:
+def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: float = 0.0, **overrides) -> PPOTrainer:
     tok = tiny_tokenizer()
     kwargs = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
                   num_mini_batches=1, num_ppo_epochs=2, total_episodes=steps * GLOBAL_BATCH, response_length=6,
@@ -87,7 +87,8 @@ def build(out_dir: str, per_device: int, steps: int, callbacks=(), **overrides) 
                   report_to=[], save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True,
                   logging_steps=1, seed=5, gradient_checkpointing=False)
     kwargs.update(overrides)
-    return PPOTrainer(args=PPOConfig(**kwargs), processing_class=tok, model=tiny_causal_lm(tok, seed=0),
+    policy = tiny_causal_lm(tok, seed=0, token_bias={tok.eos_token_id: eos_bias} if eos_bias else None)
+    return PPOTrainer(args=PPOConfig(**kwargs), processing_class=tok, model=policy,
                       ref_model=None, reward_model=tiny_scalar_model(tok, seed=2),
                       train_dataset=tiny_prompt_dataset(tok, n=3 * GLOBAL_BATCH, seed=1),
                       value_model=tiny_scalar_model(tok, seed=1), callbacks=list(callbacks))
@@ -108,7 +109,7 @@ def run(name: str, out: str) -> dict:
     run_dir = os.path.join(out, name)
     if name == "matched":
         with matched_sampling():
-            t = build(run_dir, per_device, MATCHED_STEPS, stop_token="none")
+            t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0)  # ragged responses: stop at a likely EOS
             t.train()
     elif name == "straight":
         t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1)
