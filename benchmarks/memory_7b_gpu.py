@@ -223,7 +223,7 @@ def run(shape: ModelShape, plan: PlanConfig, iterations: int = 2, device: str = 
     t0 = time.perf_counter()
     trainer.train()
     train_s = time.perf_counter() - t0
-    measured = {"build_seconds": round(build_s, 1), "train_seconds": round(train_s, 1)}
+    measured = {"build_seconds": build_s, "train_seconds": train_s, "iterations": trainer.state.global_step}
     if cuda:
         measured.update({"weights_allocated_gib": weights / GIB,
                          "max_memory_allocated_gib": max(meter.peaks.values()) / GIB,
@@ -261,7 +261,8 @@ def _ppo_config(PPOConfig, plan: PlanConfig, out: str, iterations: int, cuda: bo
 
 def format_result(r: dict) -> str:
     lines = [f"model {r['model']}, layout {r['plan']['layout']}, device {r['device']}: built in "
-             f"{r['measured']['build_seconds']} s, trained in {r['measured']['train_seconds']} s"]
+             f"{r['measured']['build_seconds']:.1f} s, trained in {r['measured']['train_seconds']:.1f} s "
+             f"(PPO iterations: {r['measured']['iterations']})"]
     if "error" in r:
         m, e = r["measured"], r["estimate"]
         lines.append(f"  {'phase':<12}{'measured GiB':>14}{'planner GiB':>13}{'error':>8}")
