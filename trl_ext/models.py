@@ -142,10 +142,12 @@ def sequence_inputs(queries, query_mask, responses, response_mask) -> dict[str, 
 
 
 def response_logprobs(model: nn.Module, inputs: dict, responses: torch.Tensor, temperature: float) -> torch.Tensor:
-    """(B, T) fp32 log π(response token) under softmax(logits / temperature), without a (B, T, V) fp32 tensor."""
+    """(B, T) fp32 log π(response token) under softmax(logits / temperature), without a (B, T, V) fp32 tensor.
+    `inputs` from `sequence_inputs`; the tokens are its last T ids (positions after the stop token hold id 0 there,
+    where `responses` may hold a pad id the model does not have)."""
     T = responses.shape[1]
     logits = lm_logits(model, inputs, T + 1)  # (B, T+1, V) or (B, Q+T, V)
-    return token_logprobs(logits[:, -T - 1 : -1], responses, temperature, LOGPROB_CHUNK)
+    return token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:], temperature, LOGPROB_CHUNK)
 
 
 # ---------------------------------------------------------------------------------------------------- sampling

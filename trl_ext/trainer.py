@@ -64,6 +64,7 @@ from .models import (
     generate_responses,
     is_quantized,
     lora_for_quantized_value_model,
+    model_input_ids,
     response_logprobs,
     sampling_config,
     sequence_inputs,
@@ -498,7 +499,8 @@ class PPOTrainer(TRLPPOTrainer):
             # 3. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses.
             # Only the last T + 1 positions' logits are computed; log-probs in chunks; the logits freed at once.
             logits, value = self.model(**inputs, logits_to_keep=T + 1)
-            logprobs.append(token_logprobs(logits[:, -T - 1 : -1], responses[s], args.temperature, LOGPROB_CHUNK))
+            logprobs.append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:], args.temperature,
+                                           LOGPROB_CHUNK))
             values.append(value[:, -T - 1 : -1].float())
             del logits
             # 4. reference log-probs
@@ -613,7 +615,8 @@ class PPOTrainer(TRLPPOTrainer):
         no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns."""
         args, T = self.args, mb.responses.shape[1]
         response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
-        new_logprobs = token_logprobs(response_logits, mb.responses, args.temperature, LOGPROB_CHUNK)
+        tokens = model_input_ids(mb.responses, mb.response_mask)  # pad ids (maybe not in the vocabulary) -> 0
+        new_logprobs = token_logprobs(response_logits, tokens, args.temperature, LOGPROB_CHUNK)
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
                                   mb.response_mask)
