@@ -65,8 +65,9 @@ class PPOConfig(TRLPPOConfig):
             Score conditioning before the missing-stop-token penalty: `"running"` normalises with the running mean and
             std of all scores so far, `"fixed"` with the given mean and std; then clip to ±`reward_clip`.
         max_prompt_length (`int`, *optional*):
-            Prompts longer than this many tokens are cut from the left (`prompt_truncation="left"`) or dropped
-            (`"drop"`); the counts are logged as `data/prompts_truncated` and `data/prompts_dropped`.
+            Prompts longer than this many tokens are cut from the left after their head (`prompt_truncation="left"`:
+            leading special tokens such as BOS, and a chat template's header, are kept) or dropped (`"drop"`); the
+            counts are logged as `data/prompts_truncated` and `data/prompts_dropped`.
         alarms (`bool`, defaults to `True`):
             Watch the logged metrics for PPO's failure modes (KL blow-up, generator/trainer mismatch, value lag,
             entropy collapse, length exploitation, reward hacking) and warn once per episode of trouble.
@@ -141,12 +142,13 @@ class PPOConfig(TRLPPOConfig):
     )
     max_prompt_length: int | None = field(
         default=None,
-        metadata={"help": "Prompts longer than this many tokens are cut from the left or dropped (prompt_truncation). "
-                  "None: no limit."},
+        metadata={"help": "Prompts longer than this many tokens are cut from the left after their head (BOS, a chat "
+                  "template's header) or dropped (prompt_truncation). None: no limit."},
     )
     prompt_truncation: str = field(
         default="left",
-        metadata={"help": "'left': keep the last max_prompt_length tokens; 'drop': drop the prompt. Counts are logged."},
+        metadata={"help": "'left': keep the head and the last tokens that fit in max_prompt_length; 'drop': drop the "
+                  "prompt. Counts are logged."},
     )
     alarms: bool = field(
         default=True,
