@@ -43,6 +43,7 @@ def calm(**overrides) -> dict:
         "policy/clipfrac_avg": 0.1, "policy/approxkl_avg": 0.01, "policy/ratio_first_minibatch": 1.0,
         "policy/entropy_avg": 2.0, "val/explained_variance": 0.5, "val/warmup": 0.0,
         "rollout/response_length_mean": 40.0, "rollout/truncation_rate": 0.1,
+        "rollout/sampler_logprob_diff_mean": 1e-6,
     }
     for key, value in overrides.items():
         key = key.replace("__", "/")
@@ -128,6 +129,21 @@ def test_generator_mismatch_fires_when_the_first_ratio_leaves_one():
     message = AlarmMonitor().update(1, calm(policy__ratio_first_minibatch=1.01))[0].message
     for fragment in ("policy/ratio_first_minibatch=1.01", "generation", "precision", "dropout"):
         assert fragment in message
+
+
+def test_generator_mismatch_fires_when_the_sampler_disagrees_with_the_trainer():
+    """The sampler's log-probs against the trainer's: bf16-level noise (0.03) is quiet, 0.5 nats fires, even while
+    the first ratio reads exactly 1 (it compares the trainer with itself); either input alone is enough."""
+    stream = [calm(rollout__sampler_logprob_diff_mean=0.03) for _ in range(4)] \
+        + [calm(rollout__sampler_logprob_diff_mean=0.5) for _ in range(3)]
+    assert run(stream) == [("generator_mismatch", 5)]
+    message = AlarmMonitor().update(1, calm(rollout__sampler_logprob_diff_mean=0.5))[0].message
+    assert "rollout/sampler_logprob_diff_mean=0.5 > 0.1" in message
+    only_sampler = [calm(policy__ratio_first_minibatch=None, rollout__sampler_logprob_diff_mean=x) for x in (0, 0.2)]
+    assert run(only_sampler) == [("generator_mismatch", 2)]
+    assert run(stream, AlarmThresholds(sampler_logprob_tol=math.inf)) == []
+    with pytest.raises(ValueError, match="sampler_logprob_tol=0 must be > 0 nats"):
+        AlarmThresholds(sampler_logprob_tol=0)
 
 
 def test_value_lag_fires_after_value_lag_steps_post_warmup():
@@ -229,7 +245,7 @@ def test_missing_keys_do_not_crash_and_do_not_count_as_clear():
     assert run(stream) == []
     # holds at 2, three steps without the key (not evaluated), holds again at 6: still one episode
     bad = calm(policy__ratio_first_minibatch=0.9)
-    missing = calm(policy__ratio_first_minibatch=None)
+    missing = calm(policy__ratio_first_minibatch=None, rollout__sampler_logprob_diff_mean=None)
     assert run([calm(), bad, missing, missing, missing, bad]) == [("generator_mismatch", 2)]
     # every alarm evaluated on a stream with only its own keys still fires
     only = [{"policy/ratio_first_minibatch": 1.0}] * 3 + [{"policy/ratio_first_minibatch": 1.5}]

@@ -25,6 +25,7 @@ from trl_ext.core import (
     response_mask_from_stop,
     shape_rewards,
     token_logprobs,
+    token_mean,
 )
 
 CORE_DIR = pathlib.Path(__file__).resolve().parents[1] / "trl_ext" / "core"
@@ -330,6 +331,30 @@ def test_policy_loss_masked_stats():
     assert stats["approxkl"].item() == pytest.approx(k3 / 5)
     assert stats["loss"].item() == pytest.approx(-1.02)
     assert all(v.dim() == 0 and not v.requires_grad for v in stats.values())
+
+
+def test_token_mean_with_a_minibatch_count():
+    """num_tokens: each micro-batch's loss is its share of the minibatch's token mean, and the shares add up to it.
+    Minibatch of 5 real tokens split 2 + 3: per-token losses (−1.2, −1) and (−0.9, −1, −1)."""
+    x = torch.tensor([[-1.2, -1.0, 7.0], [-0.9, -1.0, -1.0]])
+    mask = torch.tensor([[True, True, False], [True, True, True]])
+    assert token_mean(x, mask).item() == pytest.approx(-5.1 / 5)
+    first, second = token_mean(x[:1], mask[:1], 5), token_mean(x[1:], mask[1:], 5)
+    assert first.item() == pytest.approx(-2.2 / 5) and second.item() == pytest.approx(-2.9 / 5)
+    assert (first + second).item() == pytest.approx(-5.1 / 5)
+    # the mean of the two micro-batch means is another number: −(1.1 + 0.9667) / 2 = −1.0333, not −1.02
+    assert ((token_mean(x[:1], mask[:1]) + token_mean(x[1:], mask[1:])) / 2).item() == pytest.approx(-31 / 30)
+    # the losses take it: the same rows as test_policy_loss_masked_stats, counted over a minibatch of 10 tokens
+    old = torch.full((2, 3), -1.0)
+    log_ratio = torch.tensor([[math.log(1.5), 0.0, 50.0], [math.log(0.9), 0.0, 0.0]])
+    adv = torch.tensor([[1.0, 1.0, float("nan")], [1.0, 1.0, 1.0]])
+    loss, stats = clipped_policy_loss(old + log_ratio, old, adv, mask, 0.2, num_tokens=10)
+    assert loss.item() == pytest.approx(-5.1 / 10)
+    assert stats["loss"].item() == pytest.approx(-1.02)  # the logged value stays this batch's own token mean
+    vloss, vstats = clipped_value_loss(torch.tensor([[0.5, 2.0, 0.1]]), torch.zeros(1, 3),
+                                       torch.tensor([[1.0, 1.0, -1.0]]), torch.ones(1, 3, dtype=torch.bool), 0.2,
+                                       num_tokens=6)
+    assert vloss.item() == pytest.approx(0.5 * 2.85 / 6) and vstats["loss"].item() == pytest.approx(0.475)
 
 
 def test_value_loss_clip_cases():
