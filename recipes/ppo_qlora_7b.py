@@ -566,10 +566,13 @@ def run(script_args: ScriptArguments, args: PPOConfig, plan: PlanConfig,
     """Print the memory plan, build, train, save; returns the summary. `on_built(trainer)` runs before training."""
     import torch
 
+    from transformers import set_seed
+
     figures = report_memory_plan(script_args, plan)
     cuda = torch.cuda.is_available()
     if cuda:
         torch.cuda.reset_peak_memory_stats()
+    set_seed(args.seed)  # value heads and LoRA matrices are drawn while building, before the trainer seeds anything
     trainer = build_trainer(script_args, args, plan)
     print(f"[recipe] QLoRA PPO ({plan.layout} layout): {args.num_total_batches} steps x {args.batch_size} rollouts, "
           f"{script_args.model_name_or_path}, reward "

@@ -41,6 +41,7 @@ from transformers import (  # noqa: E402
     AutoModelForSequenceClassification,
     AutoTokenizer,
     HfArgumentParser,
+    set_seed,
 )
 
 from trl_ext import PPOConfig, PPOTrainer  # noqa: E402
@@ -175,6 +176,7 @@ def main(argv: list[str] | None = None) -> dict:
     parser = HfArgumentParser((ScriptArguments, PPOConfig))
     parser.set_defaults(**RECIPE_DEFAULTS)
     script_args, args = parser.parse_args_into_dataclasses(args=argv)
+    set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
 
     model_path = script_args.model_path or str(smollm2_path())
     tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")

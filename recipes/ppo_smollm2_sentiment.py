@@ -50,7 +50,7 @@ sys.path.insert(0, _RECIPES)  # sentiment.py and ppo_smollm2_lora.py, whatever t
 
 import sentiment  # noqa: E402
 from ppo_smollm2_lora import freeze_value_backbone  # noqa: E402
-from transformers import HfArgumentParser  # noqa: E402
+from transformers import HfArgumentParser, set_seed  # noqa: E402
 
 from trl_ext import PPOConfig  # noqa: E402
 
@@ -243,6 +243,7 @@ def format_summary(summary: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     wall_start = time.time()
     script_args, args = parse_args(argv)
+    set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
 
     from peft import LoraConfig
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer

@@ -423,7 +423,10 @@ def peft_config_of(script_args: ScriptArguments):
 
 
 def main(argv: list[str] | None = None) -> dict:
+    from transformers import set_seed
+
     script_args, args = parse_args(argv)
+    set_seed(args.seed)  # anything drawn while building (new heads, LoRA matrices) follows the seed
 
     # 1. tokenizer and prompts first: they fail fast, before gigabytes of weights are read
     tokenizer = load_tokenizer(script_args.model_name_or_path or args.sft_model_path, script_args.trust_remote_code,
