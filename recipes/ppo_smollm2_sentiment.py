@@ -25,8 +25,8 @@ It writes to `--output_dir` (default `runs/quickstart`):
 and prints a summary: mean training score at the start and end (first/last step and first/last quarter), KL, the
 held-out scores and win rate against the reference, wall time, and the files written. `main(argv)` returns it as a dict.
 
-Run it (measured: about 12 minutes of CPU time on one thread; on 2 idle cores an estimated 7-10 minutes, not yet
-timed; the first run also converts the model once, ~20 s):
+Run it (measured 2026-12-01 on 2 idle cores: 4.5 minutes of training, 5.5 minutes from a fresh clone with the
+install; the first run also converts the model once, ~20 s; the same seed gives the same run):
 
     python recipes/ppo_smollm2_sentiment.py --output_dir runs/quickstart
 
