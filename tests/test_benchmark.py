@@ -102,6 +102,7 @@ def test_plan_pairs_both_trainers_and_alternates_their_order():
                                                                           ("plain", 256, 8), ("plain", 64, 16)}
 
 
+@pytest.mark.trl_ppo
 def test_the_timed_functions_exist_in_both_trainers():
     """If a trainer is refactored and a timed function disappears, its time would silently move to `other`."""
     import trl.experimental.ppo.ppo_trainer as trl_ppo

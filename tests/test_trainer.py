@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from trl_ext import PPOConfig, PPOTrainer, Rollout
-from trl_ext._trl import TRLPPOTrainer
+from trl_ext._trl import PPOTrainerBase
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -40,8 +40,8 @@ def args(tmp_path, **kw):
     return PPOConfig(**base)
 
 
-def test_subclasses_of_trl():
-    assert issubclass(PPOTrainer, TRLPPOTrainer)
+def test_subclasses_its_base():
+    assert issubclass(PPOTrainer, PPOTrainerBase)
 
 
 def test_import_prints_no_experimental_warning():
@@ -138,9 +138,9 @@ def test_errors_for_bad_setups(tmp_path):
         PPOTrainer(args=args(tmp_path, num_mini_batches=3), model=tiny_causal_lm(tok),
                    train_dataset=tiny_prompt_dataset(tok, 4), **common)
     with pytest.raises(TypeError, match="trl_ext.PPOConfig"):
-        from trl_ext._trl import TRLPPOConfig
+        from trl_ext._trl import PPOConfigBase
 
-        PPOTrainer(args=TRLPPOConfig(output_dir=str(tmp_path), bf16=False), model=tiny_causal_lm(tok),
+        PPOTrainer(args=PPOConfigBase(output_dir=str(tmp_path), bf16=False), model=tiny_causal_lm(tok),
                    train_dataset=tiny_prompt_dataset(tok, 4), **common)
     with pytest.raises(ValueError, match="missing_eos_penalty is set but there is no stop token"):
         PPOTrainer(args=args(tmp_path, stop_token="none", missing_eos_penalty=1.0), model=tiny_causal_lm(tok),

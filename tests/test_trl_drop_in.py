@@ -145,6 +145,7 @@ def test_trls_example_scripts_run_with_only_the_import_changed(standins, tmp_pat
 
 
 @pytest.mark.slow
+@pytest.mark.trl_ppo
 def test_the_example_scripts_are_valid_trl_scripts(standins, tmp_path):
     """Unchanged, on TRL 1.12's own trainer, they run too: what runs on ours is what runs on TRL. (TRL needs
     `--bf16 False` on a machine without a GPU; its unset bf16 raises there.)"""

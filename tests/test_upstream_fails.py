@@ -16,6 +16,7 @@ ROOT = Path(__file__).resolve().parents[1]
 
 
 @pytest.mark.slow
+@pytest.mark.trl_ppo
 def test_every_regression_test_fails_on_trl(tmp_path):
     report = tmp_path / "upstream.xml"
     env = {**os.environ, "TRL_EXT_TEST_UPSTREAM": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}

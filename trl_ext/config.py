@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from ._trl import TRLPPOConfig
+from ._trl import PPOConfigBase
 from .core import KL_CONTROLLERS, KL_ESTIMATORS
 
 STOP_TOKENS = ("eos", "none")
@@ -28,7 +28,7 @@ def _bf16_available() -> bool:
 
 
 @dataclass
-class PPOConfig(TRLPPOConfig):
+class PPOConfig(PPOConfigBase):
     r"""
     Configuration for [`trl_ext.PPOTrainer`]. Every field of TRL's `PPOConfig` keeps its meaning; see the module
     docstring for the defaults trl_ext changes and why.

@@ -34,7 +34,7 @@ from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints, 
 from transformers.utils import is_peft_available
 from trl.models.utils import unwrap_model_for_generation
 
-from ._trl import OnlineTrainerState, TRLPPOTrainer, create_reference_model
+from ._trl import OnlineTrainerState, PPOTrainerBase, create_reference_model
 from .alarms import AlarmCallback
 from .callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
 from .checkpoint import TRL_EXT_STATE, VALUE_MODEL_DIR, check_compatible, load_adapter, load_weights
@@ -99,7 +99,7 @@ def check_left_padded(query_mask: torch.Tensor) -> None:
         )
 
 
-class PPOTrainer(TRLPPOTrainer):
+class PPOTrainer(PPOTrainerBase):
     """Drop-in replacement for `trl.experimental.ppo.PPOTrainer` (same arguments), with its reported defects fixed.
 
     `reward_model` may also be a plain function `(prompts: list[str], completions: list[str]) -> list[float]`.

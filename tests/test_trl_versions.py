@@ -1,0 +1,118 @@
+"""trl_ext on trl 1.12 through the newest release (issue 13): TRL's own classes as bases where TRL has PPO (1.12), and
+trl_ext's (trl_ext/ppo_base.py) where it does not, with the same config fields and defaults.
+
+The tests marked trl_ppo need TRL 1.12's PPOTrainer; CI runs them in its trl 1.12 environment (.ci/run), and the
+rest of the suite runs under both."""
+
+import dataclasses
+import json
+from importlib.metadata import version
+from pathlib import Path
+
+import pytest
+from packaging.version import Version
+
+from trl_ext import PPOConfig, PPOTrainer
+from trl_ext._trl import PPO_BASE, TRL_HAS_PPO, PPOConfigBase, PPOTrainerBase
+from trl_ext.ppo_base import PPOConfigBase as OwnConfigBase
+from trl_ext.ppo_base import PPOTrainerBase as OwnTrainerBase
+from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+
+SNAPSHOT = json.loads((Path(__file__).parent / "data" / "trl_1_12_ppo_config_defaults.json").read_text())["defaults"]
+
+
+def defaults(config_class) -> dict:
+    out = {}
+    for f in dataclasses.fields(config_class):
+        if f.default is not dataclasses.MISSING:
+            out[f.name] = f.default
+        elif f.default_factory is not dataclasses.MISSING:
+            out[f.name] = f.default_factory()
+    return out
+
+
+def test_the_base_follows_the_installed_trl():
+    assert TRL_HAS_PPO == (Version(version("trl")) < Version("1.13"))
+    if TRL_HAS_PPO:
+        assert PPOTrainerBase.__module__ == "trl.experimental.ppo.ppo_trainer" and "TRL's own" in PPO_BASE
+    else:
+        assert PPOTrainerBase is OwnTrainerBase and PPOConfigBase is OwnConfigBase and "trl_ext's own" in PPO_BASE
+    assert issubclass(PPOTrainer, PPOTrainerBase) and issubclass(PPOConfig, PPOConfigBase)
+
+
+def test_trl_exts_own_config_base_has_trl_1_12s_defaults():
+    """Every field TRL 1.12's PPOConfig adds to TrainingArguments or defaults differently, with TRL's default
+    (`tests/data/trl_1_12_ppo_config_defaults.json`, read from TRL 1.12 and checked against it below)."""
+    ours = defaults(OwnConfigBase)
+    assert {k: ours[k] for k in SNAPSHOT} == SNAPSHOT
+    from transformers import TrainingArguments
+
+    extra = set(ours) - set(defaults(TrainingArguments)) - set(SNAPSHOT)
+    assert extra == set(), f"fields TRL 1.12's PPOConfig does not have: {extra}"
+
+
+def test_trl_exts_config_keeps_trls_defaults_except_where_documented(tmp_path):
+    """trl_ext.PPOConfig on either base: TRL 1.12's defaults, except bf16 (resolved per device; README) and the
+    stop token (unset means EOS; README)."""
+    ours = defaults(PPOConfig)
+    changed = {k for k in SNAPSHOT if ours[k] != SNAPSHOT[k]}
+    assert changed == set()  # the defaults are the same values; bf16/stop_token differ in how None is resolved
+    cfg = PPOConfig(output_dir=str(tmp_path), report_to=[])
+    assert cfg.bf16 is False  # no CUDA here; TRL 1.12's unset bf16 becomes True and raises on a CPU-only machine
+
+
+@pytest.mark.trl_ppo
+def test_the_snapshot_is_trl_1_12s():
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.ppo import PPOConfig as TRLPPOConfig
+    trl = defaults(TRLPPOConfig)
+    assert {k: trl[k] for k in SNAPSHOT} == SNAPSHOT
+    assert set(trl) == set(defaults(OwnConfigBase))  # the same fields, none missing, none added
+
+
+@pytest.mark.trl_ppo
+def test_trl_exts_own_config_base_gives_trl_1_12s_to_dict_field_for_field(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        from trl.experimental.ppo import PPOConfig as TRLPPOConfig
+    kwargs = dict(output_dir=str(tmp_path), bf16=False, report_to=[])
+    theirs, ours = TRLPPOConfig(**kwargs).to_dict(), OwnConfigBase(**kwargs).to_dict()
+    assert ours.keys() == theirs.keys()
+    assert {k: ours[k] for k in ours if ours[k] != theirs[k]} == {}
+
+
+@pytest.mark.trl_ppo
+def test_on_trl_1_12_trl_exts_classes_are_trls(tmp_path):
+    import warnings
+
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        import trl.experimental.ppo as trl_ppo
+    tok = tiny_tokenizer()
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=4, report_to=[],
+                     save_strategy="no", num_sample_generations=0)
+    trainer = PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok), ref_model=None,
+                         reward_model=tiny_scalar_model(tok, seed=2), value_model=tiny_scalar_model(tok),
+                         train_dataset=tiny_prompt_dataset(tok, 4))
+    assert isinstance(trainer, trl_ppo.PPOTrainer) and isinstance(args, trl_ppo.PPOConfig)
+
+
+def test_the_model_card_of_trl_exts_own_base(tmp_path):
+    """The base used on trl >= 1.13 writes TRL's model card too (TRL's public generate_model_card)."""
+
+    class Card(OwnTrainerBase):
+        def __init__(self, args, model):  # what create_model_card reads, without a Trainer.__init__
+            self.args, self.model, self.hub_model_id = args, model, None
+
+        def is_world_process_zero(self):
+            return True
+
+    tok = tiny_tokenizer()
+    Card(PPOConfig(output_dir=str(tmp_path), report_to=[]), tiny_causal_lm(tok)).create_model_card(model_name="run")
+    card = (tmp_path / "README.md").read_text()
+    assert "model_name: run" in card and "- ppo" in card and "1909.08593" in card
