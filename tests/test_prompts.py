@@ -69,7 +69,7 @@ def test_the_three_forms_give_identical_prompts_and_batches():
         if form == "tokenized":
             assert sorted(prepared.dataset.column_names) == ["answer", "input_ids"]
         else:
-            assert sorted(prepared.dataset.column_names) == ["answer", "input_ids", "prompt_text"]
+            assert sorted(prepared.dataset.column_names) == ["answer", "input_ids", "prompt", "prompt_text"]
             assert list(prepared.dataset["prompt_text"]) == TEXTS
         assert prepared.extra_columns == [c for c in prepared.dataset.column_names if c != "input_ids"]
         batches[form] = collator(rows(prepared.dataset))

@@ -224,14 +224,16 @@ def test_functions_get_the_columns_they_accept(policy_tok, batch):
     completions = [" ".join(c) for c in COMPLETIONS]  # stop token and the junk after it are cut
     assert calls["with_answer"] == (prompts, completions, [1, 2, 3])
     assert calls["plain"] == (prompts, completions)
-    assert calls["everything"] == columns
+    # **kwargs gets every column and TRL's extras: the completion ids (cut after the stop token) and trainer_state
+    ids = [r[m].tolist() for r, m in zip(batch[2], batch[3])]
+    assert calls["everything"] == {**columns, "completion_ids": ids, "trainer_state": None}
     assert calls["optional"] == [4, 5, 6]
     assert per["plain"].tolist() == [3.0, 1.0, 5.0]
     assert per["with_answer"].tolist() == [1.0, 2.0, 3.0]
 
-    # without extra columns: optional keyword keeps its default, **kwargs gets nothing
+    # without extra columns: optional keyword keeps its default, **kwargs gets TRL's extras only
     RewardScorer([plain, everything, optional], policy_tok)(*batch)
-    assert calls["everything"] == {} and calls["optional"] == 7
+    assert calls["everything"] == {"completion_ids": ids, "trainer_state": None} and calls["optional"] == 7
 
 
 def test_function_missing_a_required_column_names_it(policy_tok, batch):
@@ -257,7 +259,9 @@ def test_column_named_like_the_prompts_parameter_of_a_kwargs_function_is_an_erro
 
 def test_function_that_cannot_take_prompts_and_completions_is_a_type_error(policy_tok):
     with pytest.raises(TypeError, match="prompts, completions"):
-        RewardScorer(lambda completions: [0.0], policy_tok)
+        RewardScorer(lambda text: [0.0], policy_tok)  # one positional parameter, not TRL's `completions`
+    with pytest.raises(TypeError, match="TRL calls reward functions by keyword"):
+        RewardScorer(lambda completions, /, **kwargs: [0.0], policy_tok)
 
 
 # ------------------------------------------------------------------------------------- (d) weighted combination
@@ -311,7 +315,7 @@ def test_raising_function_is_a_runtime_error_naming_it(policy_tok, batch):
     ([1.0, float("nan"), 2.0], "non-finite"),
     ([1.0, float("inf"), 2.0], "non-finite"),
     ([1.0, "2.0", 3.0], "non-numbers"),
-    ([1.0, None, 3.0], "non-numbers"),
+    ([1.0, None, 3.0], "every reward returned None for rows [1]"),  # None: not applicable (TRL's convention)
     ("1.0", "must return a list of floats"),
     (3.0, "must return a list of floats"),
 ])
@@ -336,10 +340,16 @@ def test_bad_weights_are_value_errors(policy_tok, rm, weights):
         RewardScorer([lambda p, c: [0.0], rm], policy_tok, reward_weights=weights)
 
 
-@pytest.mark.parametrize("reward", [42, "reward", None, [lambda p, c: [0.0], 3.5]])
+@pytest.mark.parametrize("reward", [42, None, [lambda p, c: [0.0], 3.5]])
 def test_reward_that_is_neither_module_nor_callable_is_a_type_error(policy_tok, reward):
     with pytest.raises(TypeError, match="neither"):
         RewardScorer(reward, policy_tok)
+
+
+def test_a_string_that_is_no_reward_model_folder_is_an_error_naming_it(policy_tok, tmp_path):
+    with pytest.raises(ValueError, match=r"reward_model='.*nothing-here' is a string, so it is loaded as a reward "
+                                         r"model .* and that failed"):
+        RewardScorer(str(tmp_path / "nothing-here"), policy_tok)
 
 
 def test_bad_reward_tokenizers(policy_tok, rm):

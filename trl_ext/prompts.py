@@ -12,7 +12,8 @@ forms TRL's trainers use and returns a dataset of `input_ids` (python int lists)
 
 Every other column is kept (e.g. `answer`, for a reward function). The text and conversational forms also get a
 `prompt_text` column: the text that was tokenized (the prompt string, or the rendered chat template), before any
-truncation; the `prompt` column itself is replaced by `input_ids` and `prompt_text`.
+truncation. The `prompt` column itself is kept as given: reward functions in TRL's convention receive it as `prompts`
+(message lists for conversational prompts, as GRPOTrainer passes them).
 
     prepared = prepare_prompts(dataset, tokenizer, max_prompt_length=256)
     collator = LeftPaddingCollator(tokenizer, extra_columns=["answer"])
@@ -278,7 +279,7 @@ def prepare_prompts(
                               remove_columns=remove, desc="Checking prompts")
     else:
         dataset = dataset.map(tokenize_batch, batched=True, with_indices=True, num_proc=num_proc,
-                              remove_columns=["prompt"], desc="Tokenizing prompts")
+                              desc="Tokenizing prompts")
 
     num_over = sum(bool(x) for x in dataset[_OVER])
     num_truncated = num_dropped = 0

@@ -22,6 +22,7 @@ from __future__ import annotations
 import inspect
 import math
 import numbers
+import os
 from collections.abc import Callable, Mapping, Sequence
 from typing import Any, Optional
 
@@ -39,8 +40,30 @@ __all__ = [
     "RewardScorer",
     "check_reward_function_output",
     "is_reward_function",
+    "load_reward_model",
     "score_responses",
 ]
+
+
+def load_reward_model(path: str | os.PathLike) -> tuple[nn.Module, Any]:
+    """A reward model given by path (a local folder or a hub id), loaded as TRL's GRPOTrainer loads one:
+    `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` and its own tokenizer (pad token = EOS
+    if it has none). Returns (model, tokenizer): it reads text through that tokenizer."""
+    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+
+    path = str(path)
+    try:
+        model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
+        tokenizer = AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError) as e:
+        raise ValueError(f"reward_model={path!r} is a string, so it is loaded as a reward model from that folder or "
+                         f"hub id, and that failed: {e}. Pass a path to a sequence-classification model (with its "
+                         "tokenizer), or the model itself.") from e
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    if model.config.pad_token_id is None:
+        model.config.pad_token_id = tokenizer.pad_token_id
+    return model, tokenizer
 
 
 def is_reward_function(reward) -> bool:
@@ -48,8 +71,10 @@ def is_reward_function(reward) -> bool:
     return callable(reward) and not isinstance(reward, nn.Module)
 
 
-def check_reward_function_output(values, n: int, name: str = "reward function") -> torch.Tensor:
-    """Validate what a reward function returned: a list of n finite numbers. -> (n,) float32 tensor."""
+def check_reward_function_output(values, n: int, name: str = "reward function",
+                                 allow_none: bool = False) -> torch.Tensor:
+    """Validate what a reward function returned: a list of n finite numbers -> (n,) float32 tensor. allow_none: a
+    None means "not applicable to this completion" (TRL's convention) and becomes NaN."""
     if isinstance(values, torch.Tensor):
         values = values.detach().cpu().reshape(-1).tolist()
     if isinstance(values, (str, bytes, Mapping)):
@@ -58,6 +83,9 @@ def check_reward_function_output(values, n: int, name: str = "reward function") 
         values = list(values)
     except TypeError as e:
         raise ValueError(f"The {name} must return a list of floats, one per completion; got {values!r}.") from e
+    if allow_none:
+        none = {i for i, v in enumerate(values) if v is None}
+        values = [math.nan if v is None else v for v in values]
     bad_type = [(i, v) for i, v in enumerate(values)
                 if isinstance(v, (str, bytes)) or v is None
                 or not isinstance(v, (numbers.Real, torch.Tensor)) and not hasattr(v, "__float__")]
@@ -71,7 +99,7 @@ def check_reward_function_output(values, n: int, name: str = "reward function") 
     if len(values) != n:
         raise ValueError(f"The {name} returned {len(values)} scores for {n} completions; return exactly one score "
                          "per completion, in order.")
-    bad = [(i, v) for i, v in enumerate(values) if not math.isfinite(v)]
+    bad = [(i, v) for i, v in enumerate(values) if not math.isfinite(v) and not (allow_none and i in none)]
     if bad:
         raise ValueError(f"The {name} returned non-finite scores {bad[:5]} (index, value); return finite floats "
                          "(e.g. clip or replace NaN/inf before returning).")
@@ -119,28 +147,51 @@ class _Source:
     def __init__(self, kind: str, obj, tokenizer=None):
         self.kind, self.obj, self.tokenizer = kind, obj, tokenizer
         self.name = ""
-        # functions: which extra columns they take
+        # functions: how they are called ("positional": trl_ext's (prompts, completions, **columns) with text;
+        # "keyword": TRL's GRPO convention) and which keyword arguments they take
+        self.convention = "positional"
+        self.is_async = False
         self.accepts_var_kwargs = False
         self.keyword_params: set[str] = set()
         self.required_keywords: set[str] = set()
         self.positional_names: tuple[str, ...] = ()
 
 
+TRL_FIRST_PARAMETERS = ("completions", "completion_ids")  # how TRL's reward functions start (trl.rewards, GRPO docs)
+
+
 def _inspect_function(src: _Source) -> None:
-    """Read a reward function's signature: prompts and completions go positionally, extra columns by keyword —
-    only those it names, or all of them if it takes **kwargs (TRL GRPO's convention)."""
+    """Read a reward function's signature and choose how to call it.
+
+    - TRL's convention (GRPOTrainer's): the first parameter is `completions` or `completion_ids`, or the function
+      takes keywords only. Everything goes by keyword: prompts, completions, completion_ids, trainer_state and the
+      dataset's columns; only those it names, or all of them with **kwargs. Conversational prompts give
+      conversational completions ([{"role": "assistant", "content": ...}]).
+    - trl_ext's (prompts, completions, **columns): any other function with two positional parameters. prompts and
+      completions go positionally, as text; the other arguments by keyword, as above.
+    """
+    src.is_async = inspect.iscoroutinefunction(src.obj) or inspect.iscoroutinefunction(
+        getattr(src.obj, "__call__", None))
     try:
         sig = inspect.signature(src.obj)
     except (TypeError, ValueError):  # builtins without a signature: prompts and completions only
         return
-    try:
-        sig.bind_partial(None, None)
-    except TypeError as e:
-        raise TypeError(f"reward function {src.name!r} must take (prompts, completions, ...) as its first two "
-                        f"positional arguments; its signature is {sig}.") from e
     params = list(sig.parameters.values())
     positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-    src.positional_names = tuple(p.name for p in positional[:2])
+    if not positional or positional[0].name in TRL_FIRST_PARAMETERS:
+        src.convention = "keyword"
+        if any(p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL) for p in params):
+            raise TypeError(f"reward function {src.name!r} follows TRL's convention (first parameter "
+                            f"{positional[0].name if positional else None!r}) but takes positional-only arguments; "
+                            f"TRL calls reward functions by keyword. Its signature is {sig}.")
+    else:
+        try:
+            sig.bind_partial(None, None)
+        except TypeError as e:
+            raise TypeError(f"reward function {src.name!r} must take (prompts, completions, ...) as its first two "
+                            f"positional arguments, or follow TRL's convention (keyword arguments, starting with "
+                            f"`completions`); its signature is {sig}.") from e
+        src.positional_names = tuple(p.name for p in positional[:2])
     bound_positionally = set(src.positional_names)
     for p in params:
         if p.kind == p.VAR_KEYWORD:
@@ -149,6 +200,10 @@ def _inspect_function(src: _Source) -> None:
             src.keyword_params.add(p.name)
             if p.default is p.empty:
                 src.required_keywords.add(p.name)
+
+
+def _is_conversation(value) -> bool:
+    return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
 
 
 class RewardScorer:
@@ -203,6 +258,8 @@ class RewardScorer:
         tuple_tokenizers: list[Any] = []
         for i, reward in enumerate(rewards):
             tokenizer = None
+            if isinstance(reward, (str, os.PathLike)):  # a folder or hub id: loaded as GRPOTrainer loads it
+                reward = load_reward_model(reward)
             if isinstance(reward, tuple):
                 if len(reward) != 2 or not isinstance(reward[0], nn.Module) or not _is_tokenizer(reward[1]):
                     raise TypeError(f"reward {i} is a tuple; a tuple reward must be (model, tokenizer), got "
@@ -343,11 +400,14 @@ class RewardScorer:
     @torch.no_grad()
     def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                  response_mask: torch.Tensor, extra_columns: Optional[dict[str, list]] = None,
-                 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 trainer_state=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score a batch: (B, Q) left-padded queries and bool mask, (B, T) responses and bool mask (True up to and
-        including the stop token). `extra_columns`: {column: list of B values} for reward functions.
+        including the stop token). `extra_columns`: {column: list of B values} for reward functions;
+        `trainer_state`: passed to reward functions that take it (TRL's convention).
 
-        Returns (combined (B,) float32, {name: (B,) float32 raw score}), on the queries' device."""
+        Returns (combined (B,) float32, {name: (B,) float32 raw score}), on the queries' device. A function's None
+        (not applicable) is NaN in its raw scores and left out of the combined score; a row that no reward scores
+        is an error."""
         query_mask, response_mask = query_mask.bool(), response_mask.bool()
         B = queries.shape[0]
         extra_columns = self._check_columns(extra_columns, B)
@@ -355,10 +415,16 @@ class RewardScorer:
         text_cache: dict[str, Any] = {}
 
         per_source: dict[str, torch.Tensor] = {}
+        pending: dict[str, Any] = {}  # async reward functions, awaited together below
         for src in self._sources:
             if src.kind == "function":
-                prompts, completions = self._texts(text_cache, queries, query_mask, responses, response_mask)
-                scores = self._call_function(src, prompts, completions, extra_columns, B)
+                result = self._call_function(src, text_cache, queries, query_mask, responses, response_mask,
+                                             extra_columns, trainer_state)
+                if src.is_async:
+                    pending[src.name] = result
+                    continue
+                scores = check_reward_function_output(result, B, name=f"reward function {src.name!r}",
+                                                      allow_none=True)
             elif src.kind == "model":
                 inputs = sequence_inputs(queries, query_mask, responses, response_mask)
                 scores = self._read_last_token(src.obj, inputs)
@@ -368,10 +434,21 @@ class RewardScorer:
             if src.kind != "function":
                 self._check_model_scores(src, scores, B)
             per_source[src.name] = scores
+        for name, result in _await_all(pending).items():
+            per_source[name] = check_reward_function_output(result, B, name=f"reward function {name!r}",
+                                                            allow_none=True).to(device)
+        per_source = {src.name: per_source[src.name] for src in self._sources}  # in the rewards' order
 
         combined = torch.zeros(B, dtype=torch.float32, device=device)
+        scored = torch.zeros(B, dtype=torch.bool, device=device)
         for w, src in zip(self.weights, self._sources):
-            combined = combined + w * per_source[src.name]
+            s = per_source[src.name]
+            combined = combined + torch.where(torch.isnan(s), 0.0, w * s)
+            scored |= ~torch.isnan(s)
+        if not scored.all():
+            rows = (~scored).nonzero().flatten().tolist()
+            raise ValueError(f"every reward returned None for rows {rows[:5]} of the batch, so they have no score: "
+                             f"let at least one reward score every completion (rewards: {self.names}).")
         return combined, per_source
 
     @staticmethod
@@ -408,24 +485,40 @@ class RewardScorer:
                 skip_special_tokens=True)
         return cache["joined"]
 
-    def _call_function(self, src: _Source, prompts, completions, extra_columns, B: int) -> torch.Tensor:
+    def _call_function(self, src: _Source, cache, queries, query_mask, responses, response_mask, extra_columns,
+                       trainer_state):
+        """Call reward function `src` with its convention (see `_inspect_function`); returns what it returned (a
+        coroutine for an async function)."""
+        prompts, completions = self._texts(cache, queries, query_mask, responses, response_mask)
+        completion_ids = [r[m].tolist() for r, m in zip(responses, response_mask)]
+        columns = dict(extra_columns)
+        offered = {"completion_ids": completion_ids, "trainer_state": trainer_state}
+        if src.convention == "keyword":  # TRL's: the dataset's own prompts, conversational completions for them
+            original = columns.pop("prompt", None)
+            if original is not None:
+                prompts = list(original)
+                if _is_conversation(prompts[0]):
+                    completions = [[{"role": "assistant", "content": c}] for c in completions]
+            offered.update(prompts=list(prompts), completions=list(completions))
+        clash = sorted(set(columns) & (set(offered) | {"prompts", "completions"}))
+        if clash:
+            raise ValueError(f"dataset columns {clash} have the names of reward function arguments (prompts, "
+                             "completions, completion_ids, trainer_state); rename the columns.")
+        offered.update(columns)
         if src.accepts_var_kwargs:
-            clash = [k for k in extra_columns if k in src.positional_names]
-            if clash:
-                raise ValueError(f"extra columns {clash} have the names of reward function {src.name!r}'s "
-                                 "prompts/completions parameters; rename the columns.")
-            kwargs = dict(extra_columns)
+            kwargs = offered
         else:
-            kwargs = {k: v for k, v in extra_columns.items() if k in src.keyword_params}
+            kwargs = {k: v for k, v in offered.items() if k in src.keyword_params}
         missing = sorted(src.required_keywords - set(kwargs))
         if missing:
             raise ValueError(f"reward function {src.name!r} needs the column(s) {missing}, but extra_columns has "
                              f"{sorted(extra_columns)}; keep those columns in the dataset.")
         try:
-            values = src.obj(list(prompts), list(completions), **kwargs)
+            if src.convention == "keyword":
+                return src.obj(**kwargs)
+            return src.obj(list(prompts), list(completions), **kwargs)
         except Exception as e:  # noqa: BLE001 — re-raised with the function's name, never scored as zero
             raise RuntimeError(f"reward function {src.name!r} failed: {e}") from e
-        return check_reward_function_output(values, B, name=f"reward function {src.name!r}")
 
     @staticmethod
     def _read_last_token(model: nn.Module, inputs: dict) -> torch.Tensor:
@@ -485,6 +578,31 @@ class RewardScorer:
         if bad:
             raise ValueError(f"reward model {src.name!r} gave non-finite scores at rows {bad[:5]} "
                              f"({scores[bad[:5]].tolist()}); check its precision (fp16 overflow) and inputs.")
+
+
+def _await_all(coroutines: dict[str, Any]) -> dict[str, Any]:
+    """Await the async reward functions' coroutines together (asyncio.gather); in a thread of its own if an event
+    loop already runs in this one (a notebook). An exception is re-raised naming its function."""
+    if not coroutines:
+        return {}
+    import asyncio
+
+    async def gather():
+        return await asyncio.gather(*coroutines.values(), return_exceptions=True)
+
+    try:
+        asyncio.get_running_loop()
+    except RuntimeError:
+        results = asyncio.run(gather())
+    else:
+        import concurrent.futures
+
+        with concurrent.futures.ThreadPoolExecutor(1) as pool:
+            results = pool.submit(asyncio.run, gather()).result()
+    for name, result in zip(coroutines, results):
+        if isinstance(result, BaseException):
+            raise RuntimeError(f"reward function {name!r} failed: {result}") from result
+    return dict(zip(coroutines, results))
 
 
 # ------------------------------------------------------------------------------------------------ RewardNormalizer

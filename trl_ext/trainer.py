@@ -509,7 +509,7 @@ class PPOTrainer(PPOTrainerBase):
                 # 5. scores of the response cut after its stop token
                 extra = {k: v[s] for k, v in (extra_columns or {}).items()}
                 combined, per_source = self.reward_scorer(queries[s], query_mask[s], responses[s], response_mask[s],
-                                                          extra)
+                                                          extra, trainer_state=self.state)
                 scores.append(combined)
                 source_scores.append(torch.stack(list(per_source.values()), 1))
         logprobs, ref_logprobs = torch.cat(logprobs), torch.cat(ref_logprobs)
@@ -668,9 +668,13 @@ class PPOTrainer(PPOTrainerBase):
         kl_coef: the β this rollout's rewards were shaped with."""
         gather = lambda t: self.accelerator.gather(t.to(self.accelerator.device))  # noqa: E731
         m = rollout_metrics(rollout, kl_coef, self.stop_token_id, gather)
-        if rollout.source_scores is not None:  # each reward source's raw (unweighted) mean score
-            means = gather(rollout.source_scores.float()).mean(0)
-            m.update({f"objective/scores/{name}": v.item() for name, v in zip(self.reward_scorer.names, means)})
+        if rollout.source_scores is not None:  # each reward source's raw (unweighted) mean score, over the rows
+            scores = gather(rollout.source_scores.float())  # it scored (a function's None is NaN there)
+            none = torch.isnan(scores).float().mean(0)
+            for name, mean, share in zip(self.reward_scorer.names, torch.nanmean(scores, 0), none):
+                m[f"objective/scores/{name}"] = mean.item()
+                if share > 0:  # the share of completions it returned None for (TRL's "not applicable")
+                    m[f"objective/scores_none/{name}"] = share.item()
         m.update(update_metrics(stats, self._sum_over_processes, gather))
         m["val/warmup"] = float(warmup)
         m.update(self.prompt_counts)
@@ -937,8 +941,8 @@ class PPOTrainer(PPOTrainerBase):
                 columns = [kl]
                 extra = extra_columns(batch)
                 for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
-                    columns.append(scorer(queries, query_mask, responses, response_mask, extra)[0])
-                    columns.append(scorer(queries, query_mask, ref_responses, ref_mask, extra)[0])
+                    columns.append(scorer(queries, query_mask, responses, response_mask, extra, self.state)[0])
+                    columns.append(scorer(queries, query_mask, ref_responses, ref_mask, extra, self.state)[0])
             rows.append(torch.stack([c.float().to(device) for c in columns], 1))
         # (prompts, 3 or 5); gather_object, as the processes' shares of the prompts may differ by one
         table = torch.tensor(gather_object(torch.cat(rows).tolist()), dtype=torch.float32)
@@ -971,7 +975,8 @@ class PPOTrainer(PPOTrainerBase):
             response_mask = response_mask_from_stop(responses, self.stop_token_id)
             responses = responses.masked_fill(~response_mask, tok.pad_token_id)
             with self.accelerator.autocast():
-                scores = self.reward_scorer(queries, query_mask, responses, response_mask, extra_columns(batch))[0]
+                scores = self.reward_scorer(queries, query_mask, responses, response_mask, extra_columns(batch),
+                                            self.state)[0]
             for q, qm, r, rm, s in zip(queries, query_mask, responses, response_mask, scores):
                 rows.append((tok.decode(q[qm], skip_special_tokens=True), tok.decode(r[rm]), float(s)))
             if sampling:
