@@ -580,6 +580,13 @@ def main(argv=None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
+    import importlib.util
+
+    if importlib.util.find_spec("trl.experimental.ppo") is None:
+        import trl
+
+        sys.exit(f"bench_vs_trl compares trl_ext with TRL 1.12's own PPOTrainer, which trl {trl.__version__} does "
+                 "not have: run it in an environment with trl==1.12.0.")
 
     if cli.worker:  # one run, in this fresh process
         result = run_case(Case(**json.loads(cli.worker)))
