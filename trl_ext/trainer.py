@@ -172,7 +172,7 @@ class PPOTrainer(PPOTrainerBase):
                                   "data/prompts_dropped": prepared.num_dropped}
             if prepared.num_truncated or prepared.num_dropped:
                 print(f"[trl_ext] prompts longer than max_prompt_length={args.max_prompt_length}: "
-                      f"{prepared.num_truncated} truncated from the left, {prepared.num_dropped} dropped")
+                      f"{prepared.num_truncated} cut from the left after their head, {prepared.num_dropped} dropped")
             if eval_dataset is not None:
                 eval_dataset = prepare_prompts(eval_dataset, tokenizer, args.max_prompt_length,
                                                args.prompt_truncation).dataset
