@@ -156,8 +156,13 @@ def _worker(name: str) -> dict:
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM, LlamaModel
 
-    from trl_ext.core.losses import (clipped_policy_loss, clipped_value_loss, entropy_from_logits,
-                                     logprobs_from_logits, token_logprobs)
+    from trl_ext.core.losses import (
+        clipped_policy_loss,
+        clipped_value_loss,
+        entropy_from_logits,
+        logprobs_from_logits,
+        token_logprobs,
+    )
     from trl_ext.core.masks import masked_mean
     from trl_ext.models import Sampling, generate_responses, sequence_inputs
 
@@ -180,7 +185,8 @@ def _worker(name: str) -> dict:
         def __init__(self, trainable: bool):
             super().__init__()
             backbone = LlamaModel(cfg).to(dtype)
-            self.backbone = get_peft_model(backbone, LoraConfig(**lora)) if trainable else backbone.requires_grad_(False)
+            self.backbone = (get_peft_model(backbone, LoraConfig(**lora)) if trainable
+                             else backbone.requires_grad_(False))
             self.head = nn.Linear(shape.hidden_size, 1, bias=False).to(dtype).requires_grad_(trainable)
 
         def forward(self, input_ids, attention_mask, position_ids):
@@ -347,7 +353,8 @@ def format_report(results: list[dict]) -> str:
                      f"{r['plan']['gradient_checkpointing']}, chunked logits {r['plan']['chunked_logits']})")
         lines.append(f"  weights after build: measured {r['weights_measured_mib']:.0f} MiB (tensors "
                      f"{r['weights_tensor_bytes_mib']:.0f}), planner {r['weights_estimated_mib']:.0f} MiB")
-        lines.append(f"  {'phase':<36}{'measured':>10}{'planner':>10}{'error':>8}   {'increase: meas.':>16}{'plan.':>8}")
+        lines.append(f"  {'phase':<36}{'measured':>10}{'planner':>10}{'error':>8}   "
+                     f"{'increase: meas.':>16}{'plan.':>8}")
         for row in r["rows"]:
             lines.append(f"  {row['phase']:<36}{row['measured_mib']:>10.0f}{row['estimated_mib']:>10.0f}"
                          f"{row['error']:>+8.1%}   {row['measured_increase_mib']:>16.0f}"

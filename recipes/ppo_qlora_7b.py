@@ -59,8 +59,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable
+from typing import Any
 
 _RECIPES = os.path.dirname(os.path.abspath(__file__))
 sys.path.insert(0, os.path.dirname(_RECIPES))  # trl_ext from a checkout, uninstalled
@@ -70,8 +71,14 @@ from ppo_tldr import HubUnavailableError, hub_load, load_prompt_splits, load_tok
 from transformers import HfArgumentParser  # noqa: E402
 
 from trl_ext import PPOConfig  # noqa: E402
-from trl_ext.memory import GIB, PlanConfig, estimate_memory, load_shape, quantized_bytes_per_param  # noqa: E402
-from trl_ext.memory import ModelShape  # noqa: E402
+from trl_ext.memory import (  # noqa: E402
+    GIB,
+    ModelShape,
+    PlanConfig,
+    estimate_memory,
+    load_shape,
+    quantized_bytes_per_param,
+)
 
 DEFAULT_PROMPTS = os.path.join(_RECIPES, "data", "opinion_prompts.jsonl")
 MEMORY_FILE = "memory.json"
@@ -565,7 +572,6 @@ def run(script_args: ScriptArguments, args: PPOConfig, plan: PlanConfig,
         on_built: Callable[[Any], None] | None = None) -> dict:
     """Print the memory plan, build, train, save; returns the summary. `on_built(trainer)` runs before training."""
     import torch
-
     from transformers import set_seed
 
     figures = report_memory_plan(script_args, plan)

@@ -205,7 +205,8 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfi
         raise ValueError(f"rm_inputs={s.rm_inputs!r} is not one of {RM_INPUTS}.")
     for name in ("max_train_prompts", "max_test_prompts", "num_threads"):
         if getattr(s, name) < 0:
-            raise ValueError(f"{name}={getattr(s, name)} must be >= 0 (0: {'all' if 'prompts' in name else 'default'}).")
+            meaning = "all" if "prompts" in name else "default"
+            raise ValueError(f"{name}={getattr(s, name)} must be >= 0 (0: {meaning}).")
     for name in ("sample_batch_size", "rm_batch_size", "rm_lora_r"):
         if getattr(s, name) < 1:
             raise ValueError(f"{name}={getattr(s, name)} must be >= 1.")
@@ -285,7 +286,6 @@ def sample_completions(policy, tokenizer, split: str, max_prompts: int, args: PP
     Returns prompts (P user messages), rows ((P*K) dicts: prompt_index, query_ids, response_ids, completion,
     completion_text (special tokens kept: "<|im_end|>" if it stopped), prompt_text, gold, stopped) and the padded
     tensors queries (P*K, Q), query_mask, responses (P*K, T), response_mask, for scoring with the RM later."""
-    import torch
 
     from trl_ext.core import response_mask_from_stop
     from trl_ext.models import Sampling, generate_responses

@@ -35,7 +35,7 @@ Defaults (each row is checked by tests/test_gpu_recipes.py against what the pars
 | `--missing_eos_penalty` | `1.0` | the "EOS trick": [H] `non_eos_penalty=True`, `penalty_reward_value=-1`; [T] |
 | `--kl_coef` | `0.05` | [H] `kl_coef = 0.05` |
 | `--kl_estimator` | `k1` | [H] `kl = logprobs - ref_logprobs` |
-| `--whiten_rewards` | `False` | [H]'s released `..._ppo_left_padding_new_nowhiten_reward__tldr` runs (script default True) |
+| `--whiten_rewards` | `False` | [H]'s released `..._nowhiten_reward__tldr` runs (script default True) |
 | `--vf_coef` | `0.1` | [H] `vf_coef = 0.1` |
 | `--cliprange` | `0.2` | [H] `cliprange = 0.2` |
 | `--cliprange_value` | `0.2` | [H] `cliprange_value = 0.2` |
@@ -46,7 +46,7 @@ Defaults (each row is checked by tests/test_gpu_recipes.py against what the pars
 | `--eval_strategy` | `steps` | [T] `--eval_strategy steps --eval_steps 100` |
 | `--eval_steps` | `100` | [T] |
 | `--ds3_gather_for_generation` | `True` | TRL's default (see DeepSpeed ZeRO-3 below) |
-| value model | a second copy of the reward model, head kept | [H] `critic = ScalarModel.from_pretrained(rm_path)`; [T] |
+| value model | a second copy of the reward model, head kept | [H] `ScalarModel.from_pretrained(rm_path)`; [T] |
 | reference policy | a frozen copy of the SFT model (with `--use_peft`: the policy with its adapter off) | [H], [T] |
 
 Differences from [H] worth knowing: [H] *replaces* the score of a summary without EOS by -1, trl_ext (like TRL)
@@ -92,8 +92,9 @@ import math
 import os
 import sys
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any, Callable, TypeVar
+from typing import Any, TypeVar
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout, uninstalled
 
@@ -382,8 +383,8 @@ def load_prompt_splits(script_args: ScriptArguments, evaluate: bool):
                                      for f in ("dataset_dict.json", "state.json")):
         splits = load_from_disk(path)
     else:
-        splits = hub_load("dataset", name, lambda: load_dataset(name, name=script_args.dataset_config), "--dataset_name",
-                          repo_type="dataset")
+        splits = hub_load("dataset", name, lambda: load_dataset(name, name=script_args.dataset_config),
+                          "--dataset_name", repo_type="dataset")
     if isinstance(splits, Dataset):
         splits = {"train": splits}
 

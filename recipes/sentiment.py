@@ -5,8 +5,8 @@
   split and 16 held out in "test" (chosen at random once, seed 0, and stored in the file).
 - `vader_reward(prompts, completions)`: the VADER compound sentiment of each completion, in [-1, 1] (Hutto & Gilbert
   2014, the `vaderSentiment` package: a lexicon and rules nobody here wrote). The prompt is not scored.
-- `prompt_dataset(split)`: a `datasets.Dataset` with a conversational `prompt` column, the form `PPOTrainer` renders with
-  the tokenizer's chat template.
+- `prompt_dataset(split)`: a `datasets.Dataset` with a conversational `prompt` column, the form `PPOTrainer` renders
+  with the tokenizer's chat template.
 """
 
 from __future__ import annotations

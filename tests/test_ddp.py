@@ -8,7 +8,8 @@ One `accelerate launch` of tests/scripts/ddp_runs.py runs four trainers in the s
   own RNG stream (here each prompt's response comes from a stream seeded by the prompt and the iteration). The
   advantages are the trainer's own: trl_ext whitens them over all processes (TRL whitens each process's share on
   its own, which this test would catch). Responses stop at a likely EOS, so the processes hold different numbers of
-  response tokens; the losses are token means over the tokens of all processes. Everything else — which prompts each process gets, gradient averaging, optimizer
+  response tokens; the losses are token means over the tokens of all processes. Everything else — which prompts each
+  process gets, gradient averaging, optimizer
   steps, the learning-rate schedule, adaptive β from the gathered KL, metrics reduced over processes — is the
   trainer's own, so a bug in any of them moves the weights by far more than the tolerance (1e-5; measured 3e-7).
 - `straight` / `interrupted` + `resumed`: default sampling (each process its own RNG stream), 4 iterations

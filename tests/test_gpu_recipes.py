@@ -113,7 +113,7 @@ def test_configs_readme_gives_each_launch_line_and_says_what_was_run():
 
 
 def test_defaults_are_huang_et_al_2024():
-    """The 1B TL;DR setting of Huang et al. (2024, arXiv:2403.17031), read from their code (see the module docstring)."""
+    """The 1B TL;DR setting of Huang et al. (2024, arXiv:2403.17031), read from their code (module docstring)."""
     script_args, args = recipe.parse_args([])
     assert args.sft_model_path == "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
     assert args.reward_model_path == "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"

@@ -139,8 +139,8 @@ def test_saved_activations_per_layer_match_autograd(dtype, autocast):
     plan = PlanConfig(base_dtype=dtype, compute_dtype=dtype, autocast=autocast, lora_r=4, max_prompt_length=24,
                       response_length=8)
     torch.manual_seed(0)
-    model = LlamaForCausalLM(LlamaConfig(**shape.to_config(), pad_token_id=0)).to(getattr(torch, {"fp32": "float32",
-                                                                                              "bf16": "bfloat16"}[dtype]))
+    torch_dtype = {"fp32": torch.float32, "bf16": torch.bfloat16}[dtype]
+    model = LlamaForCausalLM(LlamaConfig(**shape.to_config(), pad_token_id=0)).to(torch_dtype)
     model = get_peft_model(model, LoraConfig(r=4, target_modules="all-linear", task_type="CAUSAL_LM"))
     b, S = 2, 32
     mask = torch.ones(b, S, dtype=torch.long)
@@ -229,7 +229,8 @@ def test_cli_prints_the_table(capsys):
     assert main(["estimate-memory", _recipe("shared_16gb"), "--model", "llama-2-7b", "--json"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["model"]["name"] == "llama-2-7b"
-    assert data["peak_bytes"] == estimate_memory(PRESETS["llama-2-7b"], PlanConfig.from_file(_recipe("shared_16gb"))).peak_bytes
+    plan = PlanConfig.from_file(_recipe("shared_16gb"))
+    assert data["peak_bytes"] == estimate_memory(PRESETS["llama-2-7b"], plan).peak_bytes
 
 
 def test_cli_all_presets_summary(capsys):

@@ -32,4 +32,5 @@ def test_notebook_executes(path, monkeypatch):
 
     nb = nbformat.read(path, as_version=4)
     # raises CellExecutionError (failing the test) if any cell errors, including a failed assert
-    NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(NOTEBOOKS_DIR)}}).execute()
+    resources = {"metadata": {"path": str(NOTEBOOKS_DIR)}}
+    NotebookClient(nb, kernel_name="python3", timeout=300, resources=resources).execute()

@@ -146,7 +146,8 @@ def test_left_truncation_keeps_the_last_tokens(form):
     prepared = prepare_prompts(forms[form], tok, max_prompt_length=8)
     assert (prepared.num_truncated, prepared.num_dropped) == (2, 0)
     if form == "conversational":  # the chat header before the first message's content ("no", "yes") is kept
-        expected = [expected_ids[0], expected_ids[1][:1] + expected_ids[1][-7:], expected_ids[2][:1] + expected_ids[2][-7:]]
+        expected = [expected_ids[0], expected_ids[1][:1] + expected_ids[1][-7:],
+                    expected_ids[2][:1] + expected_ids[2][-7:]]
     else:  # no leading special token: the last 8 tokens
         expected = [expected_ids[0], expected_ids[1][-8:], expected_ids[2][-8:]]
     assert list(prepared.dataset["input_ids"]) == expected

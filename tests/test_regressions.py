@@ -8,9 +8,9 @@ import numpy as np
 import pytest
 import torch
 import torch.nn as nn
+from harness import UPSTREAM, config, first_index, run, trainer
 from transformers.modeling_outputs import BaseModelOutput
 
-from harness import UPSTREAM, config, first_index, run, trainer
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 
@@ -75,7 +75,7 @@ def test_gradient_checkpointing_is_enabled(tmp_path):
     tok = tiny_tokenizer()
     policy, value, reward, ds = build(tok)
     args = config(tmp_path, gradient_checkpointing=True)
-    t = trainer(args, tok, policy, reward, value, train_dataset=ds)
+    trainer(args, tok, policy, reward, value, train_dataset=ds)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")
         assert policy.is_gradient_checkpointing and value.is_gradient_checkpointing

@@ -335,7 +335,7 @@ def test_shared_base_errors(tmp_path):
     with pytest.raises(ValueError, match="pass peft_config=None"):
         PPOTrainer(args=args(tmp_path), model=shared, ref_model=None, value_model=None, peft_config=lora(), **common)
     with pytest.raises(ValueError, match="has no reward adapter"):
-        shared.reward_model
+        _ = shared.reward_model
     with pytest.raises(ValueError, match="modules_to_save"):
         build_shared_base(AutoModelForCausalLM.from_pretrained(str(tmp_path / "base")),
                           lora(modules_to_save=["lm_head"]))

@@ -29,7 +29,8 @@ B = 8
 
 def reference_update(rollout, minibatches, cliprange=0.2, cliprange_value=0.2, per_micro_batch=None):
     """Plain-PyTorch PPO update of fresh models on `rollout`: for each minibatch (rows in `minibatches`), one SGD
-    step on the token mean over the minibatch (log-probs at the sampling temperature). per_micro_batch=k: the mean of per-micro-batch token means over
+    step on the token mean over the minibatch (log-probs at the sampling temperature). per_micro_batch=k: the mean of
+    per-micro-batch token means over
     micro-batches of k rows instead (the defect). Returns the flattened weights."""
     tok = tiny_tokenizer()
     policy, value = runs.models(tok)
@@ -46,7 +47,8 @@ def reference_update(rollout, minibatches, cliprange=0.2, cliprange_value=0.2, p
             ids = torch.cat([r.queries, r.responses], 1).masked_fill(attention == 0, 0)
             position = (attention.cumsum(1) - 1).clamp(min=0)
             logits = policy(input_ids=ids, attention_mask=attention, position_ids=position).logits[:, -T - 1 : -1]
-            logp = torch.log_softmax(logits.float() / runs.TEMPERATURE, -1).gather(-1, r.responses.masked_fill(~mask, 0)[..., None])[..., 0]
+            tokens = r.responses.masked_fill(~mask, 0)[..., None]
+            logp = torch.log_softmax(logits.float() / runs.TEMPERATURE, -1).gather(-1, tokens)[..., 0]
             ratio = torch.exp(logp - r.logprobs)
             pg = torch.max(-r.advantages * ratio, -r.advantages * ratio.clamp(1 - cliprange, 1 + cliprange))
             hidden = value.model(input_ids=ids, attention_mask=attention, position_ids=position).last_hidden_state

@@ -16,10 +16,10 @@ from pathlib import Path
 
 import pytest
 import torch
+import trl_standins
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer
 
-import trl_standins
 from trl_ext import PPOConfig, PPOTrainer
 
 ROOT = Path(__file__).resolve().parents[1]

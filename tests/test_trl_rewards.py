@@ -65,7 +65,8 @@ def test_keyword_convention_receives_what_grpo_passes():
         *batch, extra_columns={"prompt": CONVERSATIONS, "answer": [3, 4], "prompt_text": ["x", "y"]},
         trainer_state=state)
     assert seen["prompts"] == CONVERSATIONS  # the dataset's own prompts
-    assert seen["completions"] == [[{"role": "assistant", "content": "yes ok"}], [{"role": "assistant", "content": "no"}]]
+    assert seen["completions"] == [[{"role": "assistant", "content": "yes ok"}],
+                                   [{"role": "assistant", "content": "no"}]]
     ids = [r[m].tolist() for r, m in zip(batch[2], batch[3])]
     assert seen["completion_ids"] == ids and ids[1][-1] == tok.eos_token_id  # up to and including the stop token
     assert seen["answer"] == [3, 4] and seen["state"] is state

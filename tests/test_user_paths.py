@@ -326,7 +326,8 @@ def test_every_batch_setup_trl_accepts_trains_with_trls_micro_batch_rule(tmp_pat
     steps = []
     adam.register_step_post_hook(lambda optimizer, args, kwargs: steps.append(1))
     B = per_device * ga
-    t, cap = ppo(tmp_path, tok, policy, tiny_prompt_dataset(tok, n=B), value=value, per_device_train_batch_size=per_device,
+    t, cap = ppo(tmp_path, tok, policy, tiny_prompt_dataset(tok, n=B), value=value,
+                 per_device_train_batch_size=per_device,
                  gradient_accumulation_steps=ga, num_mini_batches=minibatches, total_episodes=B, num_ppo_epochs=2,
                  optimizers=(adam, None))
     sizes = []

@@ -26,10 +26,10 @@ Alarms (the name is `Alarm.name` and the ``alarm/<name>`` log key):
 ``length_exploitation``       ``rollout/truncation_rate > truncation_max`` and either it rose by more than
                               ``truncation_rise`` over the last ``length_window`` logged steps, or
                               ``rollout/response_length_mean`` rose on each of those steps.
-``reward_hacking``            the score rose while KL rose much faster: with ``Δx`` = x now − x ``hacking_window`` logged
-                              steps earlier (x = ``objective/scores`` or ``objective/kl``, steps where both are logged),
-                              ``Δscore > 0`` and ``ΔKL > hacking_kl_min`` and ``ΔKL / max(Δscore, 1e-8) > hacking_ratio``
-                              (nats of KL bought per unit of score).
+``reward_hacking``            the score rose while KL rose much faster: with ``Δx`` = x now − x ``hacking_window``
+                              logged steps earlier (x = ``objective/scores`` or ``objective/kl``, steps where both are
+                              logged), ``Δscore > 0`` and ``ΔKL > hacking_kl_min`` and
+                              ``ΔKL / max(Δscore, 1e-8) > hacking_ratio`` (nats of KL bought per unit of score).
 ============================  ==========================================================================================
 
 **Once per episode of trouble.** An alarm fires at the step its condition starts holding, stays quiet while the
@@ -66,8 +66,9 @@ import copy
 import math
 import numbers
 import warnings
+from collections.abc import Mapping
 from dataclasses import asdict, dataclass, fields
-from typing import Any, Mapping
+from typing import Any
 
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
@@ -196,7 +197,7 @@ class AlarmThresholds:
         check(self.hacking_kl_min >= 0, "hacking_kl_min", "must be >= 0 nats", "use e.g. 1.0.")
 
     @classmethod
-    def from_dict(cls, d: Mapping[str, Any]) -> "AlarmThresholds":
+    def from_dict(cls, d: Mapping[str, Any]) -> AlarmThresholds:
         """Thresholds from a (possibly partial) mapping; missing fields keep their defaults, unknown keys raise."""
         if not isinstance(d, Mapping):
             raise ValueError(f"AlarmThresholds.from_dict expects a mapping of threshold names to values, got "
@@ -400,7 +401,8 @@ class AlarmMonitor:
             "kl_blowup": "the policy moves too far per update. Remedy: lower learning_rate; raise kl_coef"
                          f"{beta} or use kl_controller=\"adaptive\"; lower cliprange or num_ppo_epochs.",
             "generator_mismatch": "the sampled tokens' log-probs differ between the sampler and the trainer before any "
-                                  "update (they must agree, and the first ratio must be 1). Remedy: check the generation settings (no top_k / "
+                                  "update (they must agree, and the first ratio must be 1). Remedy: check the "
+                                  "generation settings (no top_k / "
                                   "top_p / repetition_penalty altering the sampling distribution, the same "
                                   "temperature), the precision (bf16/fp16/quantization: generate and train in the "
                                   "same dtype) and dropout (set the model config's *dropout fields to 0).",
@@ -528,7 +530,7 @@ class AlarmCallback(TrainerCallback, ExportableState):
         self.monitor.load_state_dict(state["attributes"]["monitor"])
 
     @classmethod
-    def from_state(cls, state: Mapping[str, Any]) -> "AlarmCallback":
+    def from_state(cls, state: Mapping[str, Any]) -> AlarmCallback:
         """A callback with the saved thresholds and monitor state."""
         callback = cls(thresholds=state["args"]["thresholds"])
         callback.load_state(state)

@@ -1,7 +1,8 @@
 """Memory planner for PPO with (Q)LoRA on one GPU: pure arithmetic, no torch.
 
     from trl_ext.memory import ModelShape, PlanConfig, estimate_memory
-    est = estimate_memory(ModelShape.from_preset("mistral-7b"), PlanConfig.from_file("recipes/qlora_7b/shared_16gb.yaml"))
+    plan = PlanConfig.from_file("recipes/qlora_7b/shared_16gb.yaml")
+    est = estimate_memory(ModelShape.from_preset("mistral-7b"), plan)
     print(est.format_table())            # or: trl-ext estimate-memory recipes/qlora_7b/shared_16gb.yaml
 
 What is counted (bytes of live tensors, the quantity ``torch.cuda.max_memory_allocated`` reports):
@@ -142,7 +143,7 @@ class ModelShape:
         return self.num_hidden_layers * sum(r * (dims[t][0] + dims[t][1]) for t in targets)
 
     @classmethod
-    def from_config(cls, config: dict, name: str | None = None) -> "ModelShape":
+    def from_config(cls, config: dict, name: str | None = None) -> ModelShape:
         """From a Hugging Face config.json dict (Llama, Mistral, Qwen2 and other Llama-like decoders)."""
         missing = [k for k in ("hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads",
                                "vocab_size") if k not in config]
@@ -168,7 +169,7 @@ class ModelShape:
                 "attention_bias": self.attention_bias}
 
     @classmethod
-    def from_preset(cls, name: str) -> "ModelShape":
+    def from_preset(cls, name: str) -> ModelShape:
         key = name.lower()
         if key not in PRESETS:
             raise ValueError(f"unknown model preset {name!r}; known presets: {', '.join(sorted(PRESETS))} "
@@ -217,7 +218,8 @@ class PlanConfig:
     compute_dtype: str = "bf16"
     """dtype of activations (bnb_4bit_compute_dtype / torch_dtype): bf16, fp16, fp32"""
     non_quantized_dtype: str | None = None
-    """embeddings, lm_head, norms of a quantized base; None = compute_dtype (fp32 after prepare_model_for_kbit_training)"""
+    """embeddings, lm_head, norms of a quantized base; None = compute_dtype (fp32 after
+    prepare_model_for_kbit_training)"""
     autocast: bool | None = None
     """mixed precision (PPOConfig bf16/fp16 → the Accelerator's autocast); None = compute_dtype is not fp32"""
     lora_r: int = 16
@@ -262,8 +264,8 @@ class PlanConfig:
         if self.cuda_overhead_gib < 0 or not 0 <= self.fragmentation < 1:
             raise ValueError(f"cuda_overhead_gib={self.cuda_overhead_gib} must be >= 0 and fragmentation="
                              f"{self.fragmentation} in [0, 1)")
-        self.lora_targets  # validates the names
-        self.optimizer_bytes_per_param  # validates optim
+        _ = self.lora_targets  # validates the names
+        _ = self.optimizer_bytes_per_param  # validates optim
 
     @property
     def lora_targets(self) -> tuple[str, ...]:
@@ -302,7 +304,7 @@ class PlanConfig:
         return self.compute_dtype != "fp32" if self.autocast is None else self.autocast
 
     @classmethod
-    def from_dict(cls, d: dict, source: str = "plan") -> "PlanConfig":
+    def from_dict(cls, d: dict, source: str = "plan") -> PlanConfig:
         known = {f.name for f in fields(cls)}
         unknown = sorted(set(d) - known)
         if unknown:
@@ -310,7 +312,7 @@ class PlanConfig:
         return cls(**d)
 
     @classmethod
-    def from_file(cls, path: str) -> "PlanConfig":
+    def from_file(cls, path: str) -> PlanConfig:
         """A YAML (.yaml/.yml) or JSON (.json) file of PlanConfig fields."""
         if not os.path.isfile(path):
             raise FileNotFoundError(f"plan config {path!r} does not exist")
@@ -384,7 +386,8 @@ class MemoryEstimate:
         out = {}
         for g in sizes:
             margin = (g * GIB - self.required_bytes) / GIB
-            out[f"{g} GB"] = (f"fits ({margin:.1f} GiB spare)" if margin >= 0 else f"does not fit ({-margin:.1f} GiB short)")
+            out[f"{g} GB"] = (f"fits ({margin:.1f} GiB spare)" if margin >= 0
+                              else f"does not fit ({-margin:.1f} GiB short)")
         return out
 
     def to_dict(self) -> dict:
@@ -447,7 +450,8 @@ class MemoryEstimate:
 
 def presets_summary(plan: PlanConfig, sizes=GPU_SIZES_GIB) -> str:
     """One line per preset model: estimated peak, what the GPU needs (peak + headroom), the peak phase, verdicts."""
-    lines = [f"{'model':<12}{'peak GiB':>9}{'needed GiB':>11}  {'peak phase':<40}" + "".join(f"{f'{g} GB':>6}" for g in sizes)]
+    lines = [f"{'model':<12}{'peak GiB':>9}{'needed GiB':>11}  {'peak phase':<40}"
+             + "".join(f"{f'{g} GB':>6}" for g in sizes)]
     for name, shape in PRESETS.items():
         e = estimate_memory(shape, plan)
         lines.append(f"{name:<12}{e.peak_bytes / GIB:>9.1f}{e.required_bytes / GIB:>11.1f}  {e.peak_phase.name:<40}"
@@ -544,8 +548,8 @@ def estimate_memory(shape: ModelShape, plan: PlanConfig) -> MemoryEstimate:
     static: dict[str, int] = {}
     shared = plan.layout == "shared"
     bases = [("policy", True)] if shared else [("policy+reference", True), ("critic", False), ("reward", False)]
-    qname = (f"{plan.base_dtype}{' double-quant' if plan.base_dtype in ('nf4', 'fp4') and plan.bnb_4bit_use_double_quant else ''}"
-             if plan.is_quantized else plan.base_dtype)
+    double = plan.base_dtype in ("nf4", "fp4") and plan.bnb_4bit_use_double_quant
+    qname = f"{plan.base_dtype}{' double-quant' if double else ''}" if plan.is_quantized else plan.base_dtype
     nq_dtype = (plan.non_quantized_dtype or plan.compute_dtype) if plan.is_quantized else plan.base_dtype
     for role, lm_head in bases:
         lin, rest = _base_weight_bytes(shape, plan, lm_head)
@@ -630,7 +634,8 @@ def estimate_memory(shape: ModelShape, plan: PlanConfig) -> MemoryEstimate:
         backward = tokens * (2 * h * s + 2 * shape.intermediate_size * a)  # residual-stream and MLP gradients
         if checkpointing:
             # each checkpointed layer keeps its input; backward recomputes one layer at a time
-            terms[f"checkpointed layer inputs ({who}: {n_models}×L × {m}×{S} tokens × h)"] = n_models * L * tokens * h * s
+            name = f"checkpointed layer inputs ({who}: {n_models}×L × {m}×{S} tokens × h)"
+            terms[name] = n_models * L * tokens * h * s
             layer_stage = int(tokens * per_layer_sum) + backward
         else:
             terms[f"saved activations ({who}: {n_models}×L × {m}×{S} tokens × {per_layer_sum / 1024:.1f} KiB)"] = int(
@@ -650,8 +655,8 @@ def estimate_memory(shape: ModelShape, plan: PlanConfig) -> MemoryEstimate:
             x = m * R * V * 4
             logits_stage = max(keep + x * (2 if a_logits != 4 else 1), 3 * x, x + x * a_logits // 4 + keep)
         larger = "logits" if logits_stage >= layer_stage else "layer"
-        terms[f"backward peak: the {larger} stage (logits {logits_stage / GIB:.2f}, layer {layer_stage / GIB:.2f} GiB)"] = (
-            max(logits_stage, layer_stage))
+        name = f"backward peak: the {larger} stage (logits {logits_stage / GIB:.2f}, layer {layer_stage / GIB:.2f} GiB)"
+        terms[name] = max(logits_stage, layer_stage)
         if dequant:
             terms["dequantized weight (one linear, compute dtype)"] = dequant
         return Phase(f"training step ({'with' if checkpointing else 'without'} checkpointing)", terms,

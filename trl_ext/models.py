@@ -106,7 +106,7 @@ def accepts_logits_to_keep(model: nn.Module) -> bool:
     return _forward_accepts_logits_to_keep(type(_underlying(model)))
 
 
-@functools.lru_cache(maxsize=None)
+@functools.cache
 def _forward_accepts_logits_to_keep(model_class: type) -> bool:  # inspect.signature costs ~1.5 ms: once per class
     try:
         return "logits_to_keep" in inspect.signature(model_class.forward).parameters
@@ -173,7 +173,8 @@ def sampling_config(sampling: Sampling) -> GenerationConfig:
     config.update(
         max_new_tokens=sampling.response_length, max_length=None, min_length=0,
         do_sample=False, num_beams=1, num_return_sequences=1, use_cache=True,
-        eos_token_id=sampling.stop_token_id, pad_token_id=0 if sampling.stop_token_id is None else sampling.stop_token_id,
+        eos_token_id=sampling.stop_token_id,
+        pad_token_id=0 if sampling.stop_token_id is None else sampling.stop_token_id,
         output_scores=False, output_logits=False, return_dict_in_generate=False,
     )
     return config
@@ -315,7 +316,7 @@ class _AdapterBackbone:
     """Callable in TRL's backbone slot (`model.<base_model_prefix>(**inputs).last_hidden_state`): the shared base's
     decoder run with one adapter active. Not an nn.Module, so the views below own no base weights."""
 
-    def __init__(self, shared: "SharedBaseModels", adapter: str):
+    def __init__(self, shared: SharedBaseModels, adapter: str):
         self.shared, self.adapter = shared, adapter
 
     def __call__(self, **inputs):
@@ -330,7 +331,7 @@ class SharedRoleModel(nn.Module):
 
     base_model_prefix = "backbone"
 
-    def __init__(self, shared: "SharedBaseModels", adapter: str, head: nn.Linear):
+    def __init__(self, shared: SharedBaseModels, adapter: str, head: nn.Linear):
         super().__init__()
         self.score = head
         self.adapter_name = adapter

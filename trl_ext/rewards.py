@@ -24,7 +24,7 @@ import math
 import numbers
 import os
 from collections.abc import Callable, Mapping, Sequence
-from typing import Any, Optional
+from typing import Any
 
 import torch
 import torch.nn as nn
@@ -170,8 +170,8 @@ def _inspect_function(src: _Source) -> None:
     - trl_ext's (prompts, completions, **columns): any other function with two positional parameters. prompts and
       completions go positionally, as text; the other arguments by keyword, as above.
     """
-    src.is_async = inspect.iscoroutinefunction(src.obj) or inspect.iscoroutinefunction(
-        getattr(src.obj, "__call__", None))
+    call = type(src.obj).__call__ if callable(src.obj) else None  # an object with an async __call__
+    src.is_async = inspect.iscoroutinefunction(src.obj) or inspect.iscoroutinefunction(call)
     try:
         sig = inspect.signature(src.obj)
     except (TypeError, ValueError):  # builtins without a signature: prompts and completions only
@@ -399,7 +399,7 @@ class RewardScorer:
     # ------------------------------------------------------------------------------------------------- scoring
     @torch.no_grad()
     def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
-                 response_mask: torch.Tensor, extra_columns: Optional[dict[str, list]] = None,
+                 response_mask: torch.Tensor, extra_columns: dict[str, list] | None = None,
                  trainer_state=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score a batch: (B, Q) left-padded queries and bool mask, (B, T) responses and bool mask (True up to and
         including the stop token). `extra_columns`: {column: list of B values} for reward functions;
@@ -628,7 +628,7 @@ class RewardNormalizer:
     the settings (mode, mean, std, clip) come from the constructor.
     """
 
-    def __init__(self, mode: str = "none", mean: float = 0.0, std: float = 1.0, clip: Optional[float] = None):
+    def __init__(self, mode: str = "none", mean: float = 0.0, std: float = 1.0, clip: float | None = None):
         if mode not in NORMALIZER_MODES:
             raise ValueError(f"RewardNormalizer mode must be one of {NORMALIZER_MODES}, got {mode!r}.")
         for label, v in (("mean", mean), ("std", std)):

@@ -30,11 +30,11 @@ class Rollout:
     def __len__(self) -> int:
         return self.queries.shape[0]
 
-    def __getitem__(self, idx) -> "Rollout":
+    def __getitem__(self, idx) -> Rollout:
         """Select rollouts (rows) by index tensor or slice: a minibatch."""
         return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
                           for f in fields(self)})
 
-    def to(self, device) -> "Rollout":
+    def to(self, device) -> Rollout:
         return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
                           for f in fields(self)})

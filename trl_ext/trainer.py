@@ -56,8 +56,8 @@ from .diagnostics import UpdateStats, rollout_metrics, update_metrics
 from .models import (
     LOGPROB_CHUNK,
     PolicyAndValueWrapper,
-    SharedBaseModels,
     Sampling,
+    SharedBaseModels,
     build_value_model,
     disable_bnb_cpu_repack,
     disable_dropout,
@@ -120,7 +120,7 @@ class PPOTrainer(PPOTrainerBase):
         eval_dataset=None,
         optimizers=(None, None),
         callbacks=None,
-        peft_config: "PeftConfig | None" = None,
+        peft_config: PeftConfig | None = None,
         eval_reward=None,
         reward_processing_classes=None,
     ) -> None:
@@ -342,7 +342,8 @@ class PPOTrainer(PPOTrainerBase):
             shard = torch.utils.data.Subset(eval_dataset, range(accelerator.process_index, len(eval_dataset),
                                                                 accelerator.num_processes))
             if len(shard) == 0:
-                raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts, fewer than the {accelerator.num_processes}"
+                raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts, fewer than the "
+                                 f"{accelerator.num_processes}"
                                  " processes; add prompts.")
             self.eval_dataloader = DataLoader(shard, batch_size=args.per_device_eval_batch_size,
                                               collate_fn=data_collator, generator=torch.Generator().manual_seed(0))
@@ -395,10 +396,10 @@ class PPOTrainer(PPOTrainerBase):
         (name, reward_model), = models.items()
         own = self.reward_scorer.tokenizer_of(name)
         if own is not None and own.get_vocab() != self.processing_class.get_vocab():
-            raise ValueError(f"value_model_init='reward_model' copies {name!r}, which has its own tokenizer with another "
-                             "vocabulary: the critic reads the policy's token ids, which mean other tokens in its "
-                             "embedding table. Use value_model_init='policy', or pass a value_model that shares the "
-                             "policy's tokenizer.")
+            raise ValueError(f"value_model_init='reward_model' copies {name!r}, which has its own tokenizer with "
+                             "another vocabulary: the critic reads the policy's token ids, which mean other tokens in "
+                             "its embedding table. Use value_model_init='policy', or pass a value_model that shares "
+                             "the policy's tokenizer.")
         return reward_model
 
     def create_optimizer(self, model=None):
@@ -830,7 +831,8 @@ class PPOTrainer(PPOTrainerBase):
         self._save_optimizer_and_scheduler(staging)
         self._save_rng_state(staging)
         if main:
-            for cb in [cb for cb in self.callback_handler.callbacks + [self.control] if isinstance(cb, ExportableState)]:
+            callbacks = self.callback_handler.callbacks + [self.control]
+            for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
                 self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
             self.state.save_to_json(os.path.join(staging, "trainer_state.json"))
             with open(os.path.join(staging, TRL_EXT_STATE), "w") as f:
@@ -967,10 +969,10 @@ class PPOTrainer(PPOTrainerBase):
         tok, rows = self.processing_class, []
         for i, batch in self._eval_batches():
             queries, query_mask = batch["input_ids"], batch["attention_mask"]
-            with unwrap_model_for_generation(self.model, self.accelerator,
-                                             gather_deepspeed3_params=self.args.ds3_gather_for_generation) as unwrapped, \
+            gather = self.args.ds3_gather_for_generation
+            with unwrap_model_for_generation(self.model, self.accelerator, gather_deepspeed3_params=gather) as model, \
                     self._own_rng(self._eval_seed(i)), self.accelerator.autocast():
-                responses, _ = generate_responses(unwrapped.policy, queries, query_mask, self.sampling,
+                responses, _ = generate_responses(model.policy, queries, query_mask, self.sampling,
                                                   self.args.local_rollout_forward_batch_size)
             response_mask = response_mask_from_stop(responses, self.stop_token_id)
             responses = responses.masked_fill(~response_mask, tok.pad_token_id)

@@ -28,8 +28,8 @@ import torch
 from transformers import TrainerCallback
 
 import trl_ext.trainer as trainer_module
-from trl_ext.models import generate_responses as _generate
 from trl_ext import PPOConfig, PPOTrainer
+from trl_ext.models import generate_responses as _generate
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 GLOBAL_BATCH = 8

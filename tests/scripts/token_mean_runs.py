@@ -37,7 +37,8 @@ def trainer(out: str, tok, policy, value, rows: int, ga: int, minibatches: int =
     sgd = torch.optim.SGD(list(policy.parameters()) + list(value.parameters()), lr=LR)
     args = PPOConfig(output_dir=out, per_device_train_batch_size=rows // ga, gradient_accumulation_steps=ga,
                      num_mini_batches=minibatches, num_ppo_epochs=1, total_episodes=rows, response_length=6,
-                     vf_coef=VF_COEF, temperature=TEMPERATURE, max_grad_norm=None, report_to=[], save_strategy="no", num_sample_generations=0,
+                     vf_coef=VF_COEF, temperature=TEMPERATURE, max_grad_norm=None, report_to=[], save_strategy="no",
+                     num_sample_generations=0,
                      bf16=False, disable_tqdm=True, seed=0, gradient_checkpointing=False)
     return PPOTrainer(args=args, processing_class=tok, model=policy, ref_model=None,
                       reward_model=lambda prompts, completions: [float(len(c)) for c in completions],

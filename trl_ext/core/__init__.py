@@ -6,8 +6,14 @@ token, left-aligned (real tokens are a prefix of each row).
 from .advantages import compute_gae, explained_variance
 from .kl import KL_ESTIMATORS, estimate_kl
 from .kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, make_kl_controller
-from .losses import (clipped_policy_loss, clipped_value_loss, entropy_from_logits, logprobs_from_logits,
-                     token_logprobs, token_mean)
+from .losses import (
+    clipped_policy_loss,
+    clipped_value_loss,
+    entropy_from_logits,
+    logprobs_from_logits,
+    token_logprobs,
+    token_mean,
+)
 from .masks import (
     check_response_mask,
     last_true_index,

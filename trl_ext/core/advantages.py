@@ -2,7 +2,6 @@
 
 Shapes: B = batch, T = response length.
 """
-from typing import Tuple
 
 import torch
 
@@ -15,7 +14,7 @@ def compute_gae(
     response_mask: torch.Tensor,
     gamma: float,
     lam: float,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw (not whitened) GAE advantages and value targets.
 
     # Schulman et al. 2015, https://arxiv.org/abs/1506.02438, eq. 16

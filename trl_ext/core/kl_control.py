@@ -17,7 +17,7 @@ Adaptive rule (Ziegler et al. 2019, https://arxiv.org/abs/1909.08593, sec. 2.2),
 Each update multiplies β by a factor in [1 − 0.2·n/h, 1 + 0.2·n/h] ⊂ [0.8, 1.2] (n_steps <= horizon is enforced),
 so β never goes negative and changes by at most 20%·n/h per batch.
 """
-from typing import Any, Dict, Optional, Union
+from typing import Any
 
 KL_CONTROLLERS = ("fixed", "adaptive")
 
@@ -38,8 +38,8 @@ def _as_float(name: str, x: Number) -> float:
         raise ValueError(f"{name}={x!r} is not a scalar number (it is a string); pass a python float")
     try:
         return float(x)
-    except (TypeError, ValueError, RuntimeError):
-        raise ValueError(f"{name}={x!r} is not a scalar number; pass one python float (or a one-element tensor)")
+    except (TypeError, ValueError, RuntimeError) as e:
+        raise ValueError(f"{name}={x!r} is not a scalar number; pass one python float (or a one-element tensor)") from e
 
 
 def _check_kl_coef(name: str, value: Number) -> float:
@@ -76,7 +76,7 @@ def _check_n_steps(n_steps: Any) -> int:
     return n
 
 
-def _check_keys(cls_name: str, d: Dict[str, Any], expected: tuple) -> None:
+def _check_keys(cls_name: str, d: dict[str, Any], expected: tuple) -> None:
     if not isinstance(d, dict):
         raise ValueError(f"{cls_name}.load_state_dict expects a dict from state_dict(), got {type(d).__name__}")
     missing = sorted(set(expected) - set(d))
@@ -103,10 +103,10 @@ class FixedKLController:
         """Does nothing; returns β."""
         return self._value
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {"value": self._value}
 
-    def load_state_dict(self, d: Dict[str, Any]) -> None:
+    def load_state_dict(self, d: dict[str, Any]) -> None:
         _check_keys(type(self).__name__, d, self._KEYS)
         self._value = _check_kl_coef("value", d["value"])
 
@@ -182,10 +182,10 @@ class AdaptiveKLController:
         self._value = new_value
         return new_value
 
-    def state_dict(self) -> Dict[str, float]:
+    def state_dict(self) -> dict[str, float]:
         return {"value": self._value, "target": self._target, "horizon": self._horizon}
 
-    def load_state_dict(self, d: Dict[str, Any]) -> None:
+    def load_state_dict(self, d: dict[str, Any]) -> None:
         """Restore every field (β, target, horizon) from a state_dict(); validated before anything is changed."""
         _check_keys(type(self).__name__, d, self._KEYS)
         value = _check_kl_coef("value", d["value"])
@@ -200,9 +200,9 @@ class AdaptiveKLController:
 def make_kl_controller(
     kind: str,
     kl_coef: float,
-    target: Optional[float] = None,
-    horizon: Optional[float] = None,
-) -> Union[FixedKLController, AdaptiveKLController]:
+    target: float | None = None,
+    horizon: float | None = None,
+) -> FixedKLController | AdaptiveKLController:
     """Build a controller from config values.
 
     Args:

@@ -11,7 +11,6 @@ Memory: `token_logprobs` and `entropy_from_logits(chunk_size=...)` never hold a 
 shape (B, T, V): they work on C positions at a time, and `token_logprobs`' backward recomputes the softmax of each
 chunk from the (model-dtype) logits instead of keeping an fp32 log-softmax alive until backward.
 """
-from typing import Dict, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -41,7 +40,7 @@ def clipped_policy_loss(
     response_mask: torch.Tensor,
     cliprange: float,
     num_tokens=None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip policy loss: token mean of max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ = π_θ / π_old.
 
     # Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7 (negated: a loss to minimise)
@@ -56,9 +55,10 @@ def clipped_policy_loss(
 
     Returns:
         loss: 0-dim, differentiable.
-        stats: detached 0-dim tensors: "loss" (this batch's own token mean, whatever `num_tokens`); "clipfrac" (fraction of real tokens where the clipped term is the
-            active one); "approxkl" (k3 estimate of KL(π_old ‖ π_θ) from samples of π_old: with
-            log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ, http://joschu.net/blog/kl-approx.html);
+        stats: detached 0-dim tensors: "loss" (this batch's own token mean, whatever `num_tokens`); "clipfrac"
+            (fraction of real tokens where the clipped term is the active one); "approxkl" (k3 estimate of
+            KL(π_old ‖ π_θ) from samples of π_old: with log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ,
+            http://joschu.net/blog/kl-approx.html);
             "ratio_mean", "ratio_max", "ratio_min" over real tokens.
     """
     if not cliprange > 0:
@@ -92,7 +92,7 @@ def clipped_value_loss(
     response_mask: torch.Tensor,
     cliprange_value: float,
     num_tokens=None,
-) -> Tuple[torch.Tensor, Dict[str, torch.Tensor]]:
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """Clipped value loss: ½ · token mean of max((V − R)², (V_clip − R)²),
     with V_clip = V_old + clip(V − V_old, −c, c).
 
@@ -108,8 +108,8 @@ def clipped_value_loss(
 
     Returns:
         loss: 0-dim, differentiable.
-        stats: detached 0-dim tensors "loss" (this batch's own token mean), "clipfrac" (fraction of real tokens where the clipped error is
-            larger, i.e. active), "values_mean".
+        stats: detached 0-dim tensors "loss" (this batch's own token mean), "clipfrac" (fraction of real tokens
+            where the clipped error is larger, i.e. active), "values_mean".
     """
     if not cliprange_value > 0:
         raise ValueError(f"cliprange_value={cliprange_value} must be > 0 (typical: 0.2)")
@@ -164,7 +164,7 @@ def _entropy_rows(x: torch.Tensor) -> torch.Tensor:
 
 
 def entropy_from_logits(logits: torch.Tensor, temperature: float = 1.0,
-                        chunk_size: Optional[int] = None) -> torch.Tensor:
+                        chunk_size: int | None = None) -> torch.Tensor:
     """Entropy of softmax(logits / temperature) at each position: logsumexp(l) − Σ_v softmax(l)_v · l_v.
 
     Args:

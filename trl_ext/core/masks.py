@@ -6,7 +6,7 @@ Shapes: B = batch, T = response length.
 of a row are a prefix, padding comes after. Reductions here use `torch.where`, so NaN/inf sitting in padding never
 leaks into a result.
 """
-from typing import Callable, Optional
+from collections.abc import Callable
 
 import torch
 
@@ -20,7 +20,7 @@ def _check_mask(values: torch.Tensor, mask: torch.Tensor, name: str = "mask") ->
         )
 
 
-def check_response_mask(response_mask: torch.Tensor, shape: Optional[torch.Size] = None) -> None:
+def check_response_mask(response_mask: torch.Tensor, shape: torch.Size | None = None) -> None:
     """Raise ValueError unless `response_mask` is a bool (B, T) tensor whose True entries are a prefix of each row.
 
     Args:
@@ -43,7 +43,7 @@ def check_response_mask(response_mask: torch.Tensor, shape: Optional[torch.Size]
         )
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: Optional[int] = None) -> torch.Tensor:
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
     """Mean of `values` over entries where `mask` is True.
 
     Args:
@@ -139,7 +139,7 @@ def last_true_index(mask: torch.Tensor) -> torch.Tensor:
     return T - 1 - mask.long().fliplr().argmax(1)
 
 
-def response_mask_from_stop(responses: torch.Tensor, stop_token_id: Optional[int]) -> torch.Tensor:
+def response_mask_from_stop(responses: torch.Tensor, stop_token_id: int | None) -> torch.Tensor:
     """Mark real response tokens: everything up to AND INCLUDING the first `stop_token_id` in each row.
 
     Pad tokens are never consulted. If pad == EOS, padding after the EOS is excluded only because the first EOS

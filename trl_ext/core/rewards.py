@@ -2,7 +2,6 @@
 
 Shapes: B = batch, T = response length.
 """
-from typing import Tuple
 
 import torch
 
@@ -17,7 +16,7 @@ def shape_rewards(
     response_mask: torch.Tensor,
     kl_coef: float,
     estimator: str,
-) -> Tuple[torch.Tensor, torch.Tensor]:
+) -> tuple[torch.Tensor, torch.Tensor]:
     """r_t = −kl_coef · KL_t on real tokens, plus scores[b] on the last real token of row b.
 
     # Ziegler et al. 2019 (https://arxiv.org/abs/1909.08593), eq. 2; Ouyang et al. 2022 (InstructGPT), eq. 2

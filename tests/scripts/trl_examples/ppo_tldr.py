@@ -14,7 +14,6 @@ import torch
 from accelerate import PartialState
 from datasets import load_dataset
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, AutoTokenizer, HfArgumentParser
-
 from trl import ModelConfig, ScriptArguments, get_peft_config, get_quantization_config
 from trl.experimental.ppo import PPOConfig, PPOTrainer
 
