@@ -14,7 +14,8 @@ What it does:
 It writes to `--output_dir`: the LoRA adapter (adapter_config.json, adapter_model.safetensors), the tokenizer, and
 metrics.jsonl (one JSON line of training metrics per PPO step, see `trl_ext.callbacks.MetricsFileCallback`).
 
-Run it (about 4 minutes on 2 CPU cores: 16 PPO steps of 8 rollouts; the first run also converts the model once, ~20 s):
+Run it (16 PPO steps of 8 rollouts; time and result measured: docs/results.md; the first run also converts the model
+once, ~20 s):
 
     python recipes/ppo_smollm2_lora.py --output_dir runs/ppo-smollm2-lora
 
@@ -125,8 +126,8 @@ class ScriptArguments:
     )
 
 
-# Sized so the default run takes about 3-4 minutes on 2 CPU cores: 16 PPO steps (~12-14 s each) of 8 rollouts of up
-# to 24 tokens, 4 passes over the 32 prompts. learning_rate, measured over these 16 steps: 1e-4 leaves the mean score
+# 16 PPO steps of 8 rollouts of up to 24 tokens, 4 passes over the 32 prompts (time: docs/results.md).
+# learning_rate, measured over these 16 steps: 1e-4 leaves the mean score
 # flat (~-0.5 throughout), 5e-4 moves it slowly (last-quarter mean ~-0.25), 1e-3 takes it from ~-0.5 to ~+0.2..+0.3
 # on the last steps, at a summed sequence KL of ~5-7 nats. Step-to-step scores are noisy (8 rollouts per step).
 RECIPE_DEFAULTS = dict(

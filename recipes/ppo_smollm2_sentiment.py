@@ -25,8 +25,8 @@ It writes to `--output_dir` (default `runs/quickstart`):
 and prints a summary: mean training score at the start and end (first/last step and first/last quarter), KL, the
 held-out scores and win rate against the reference, wall time, and the files written. `main(argv)` returns it as a dict.
 
-Run it (measured 2026-12-01 on 2 idle cores: 4.5 minutes of training, 5.5 minutes from a fresh clone with the
-install; the first run also converts the model once, ~20 s; the same seed gives the same run):
+Run it (time and 3-seed results measured: docs/results.md; the first run also converts the model once, ~20 s; the
+same seed gives the same run):
 
     python recipes/ppo_smollm2_sentiment.py --output_dir runs/quickstart
 
@@ -93,11 +93,7 @@ class ScriptArguments:
 
 # 16 PPO steps of 16 rollouts of up to 24 tokens (4 passes over the 64 training prompts), 4 optimizer steps per PPO
 # step (2 epochs x 2 minibatches), LoRA rank 8 on all linear layers at learning_rate 1e-3, fixed beta 0.05; held-out
-# evaluation at steps 8 and 16 (32 paired completions each). Measured with seeds 42, 1 and 2 (one thread each):
-# mean training score, first -> last quarter of the steps, +0.31 -> +0.57, +0.46 -> +0.66, +0.27 -> +0.61; KL at the
-# end 5.9, 9.6, 8.8 nats; held-out win rate against the reference 0.77, 0.77, 0.70. Seed 2 on a nearly idle machine:
-# 12 min 20 s wall on one thread (45 s per PPO step). The alarms kl_blowup (approx KL > 0.05 on an early step) and
-# reward_hacking (KL grows faster than the score) fire once or twice: read samples_before_after.jsonl.
+# evaluation at steps 8 and 16 (32 paired completions each). What these defaults give, with 3 seeds: docs/results.md.
 RECIPE_DEFAULTS = dict(
     output_dir="runs/quickstart",
     total_episodes=256,

@@ -43,7 +43,7 @@ It writes to `--output_dir` (default `runs/three-stage`):
   summary.json                                      the summary below, with the evaluation table
   adapter_config.json, adapter_model.safetensors    the PPO policy's LoRA adapter
 
-Run it (about 10-15 minutes on 2 idle CPU cores; the first run also converts the model once, ~20 s):
+Run it (time and results measured: docs/results.md; the first run also converts the model once, ~20 s):
 
     python recipes/ppo_three_stage.py --output_dir runs/three-stage
 
@@ -161,7 +161,7 @@ class ScriptArguments:
         default=True, metadata={"help": "Also write the `trl-ext report` dashboard.png (needs matplotlib)."})
 
 
-# Sized for about 10-15 minutes on 2 idle CPU cores. Stage 1: 80 prompts x 4 samples of up to 32 tokens; stage 2:
+# Time and results: docs/results.md. Stage 1: 80 prompts x 4 samples of up to 32 tokens; stage 2:
 # 1 epoch over the train pairs (up to 6 per prompt); stage 3: 20 PPO steps of 16 rollouts (5 passes over the 64
 # train prompts) at learning_rate 1e-3 and kl_coef 0.05 (as ppo_smollm2_sentiment.py), held-out evaluation every 4
 # steps.
