@@ -24,6 +24,41 @@ def _identity(t: torch.Tensor) -> torch.Tensor:
     return t
 
 
+def mean_sequence_kl(r: Rollout, gather: Gather = _identity) -> float:
+    """The mean over all rollouts of all processes of the per-sequence KL that shaped the rewards (Σ over real tokens
+    of the configured estimator): `objective/kl`, and what the adaptive β controller is fed."""
+    return gather(r.kl.sum(1).float()).mean().item()
+
+
+def source_metrics(source_scores: torch.Tensor, names: list[str], gather: Gather = _identity) -> dict:
+    """Each reward's raw (unweighted) mean score over the rows it scored, `objective/scores/<name>`, and, where a
+    function returned None (TRL's "not applicable", NaN in `source_scores`), that share as
+    `objective/scores_none/<name>`. source_scores: (B, S)."""
+    scores = gather(source_scores.float())
+    out = {}
+    for name, mean, none in zip(names, torch.nanmean(scores, 0), torch.isnan(scores).float().mean(0)):
+        out[f"objective/scores/{name}"] = mean.item()
+        if none > 0:
+            out[f"objective/scores_none/{name}"] = none.item()
+    return out
+
+
+def evaluation_metrics(table: torch.Tensor) -> dict:
+    """Held-out evaluation (`PPOTrainer.evaluate_policy`): `table` (prompts, 3 or 5) holds per prompt the policy's
+    KL, the policy's and the reference's training-reward score, and (5 columns) their gold scores. Win rate: the
+    share of prompts where the policy's completion scores higher than the reference's, ties counting half."""
+
+    def win_rate(policy, reference):
+        return ((policy > reference).float() + 0.5 * (policy == reference).float()).mean().item()
+
+    out = {"eval/kl": table[:, 0].mean().item(), "eval/score": table[:, 1].mean().item(),
+           "eval/score_ref": table[:, 2].mean().item(), "eval/win_rate_vs_ref": win_rate(table[:, 1], table[:, 2])}
+    if table.shape[1] == 5:
+        out.update({"eval/gold_score": table[:, 3].mean().item(), "eval/gold_score_ref": table[:, 4].mean().item(),
+                    "eval/gold_win_rate_vs_ref": win_rate(table[:, 3], table[:, 4])})
+    return out
+
+
 def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gather: Gather = _identity) -> dict:
     """Metrics of one rollout batch (see the README's metric table for meaning and healthy ranges)."""
     mask = r.response_mask

@@ -52,7 +52,14 @@ from .core import (
     token_logprobs,
 )
 from .data import RolloutBatchSampler
-from .diagnostics import UpdateStats, rollout_metrics, update_metrics
+from .diagnostics import (
+    UpdateStats,
+    evaluation_metrics,
+    mean_sequence_kl,
+    rollout_metrics,
+    source_metrics,
+    update_metrics,
+)
 from .models import (
     LOGPROB_CHUNK,
     PolicyAndValueWrapper,
@@ -84,8 +91,8 @@ def _exact_div(a: int, b: int, what: str) -> int:
     return a // b
 
 
-def extra_columns(batch: dict) -> dict:
-    """The dataset columns of a collated batch other than the prompt tensors (for reward functions)."""
+def dataset_columns(batch: dict) -> dict:
+    """The dataset columns of a collated batch other than the prompt tensors: {column: list}, for the rewards."""
     return {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
 
 
@@ -124,6 +131,32 @@ class PPOTrainer(PPOTrainerBase):
         eval_reward=None,
         reward_processing_classes=None,
     ) -> None:
+        """TRL 1.12's arguments. Set up in steps, each a method below, in this order (the order random numbers are
+        drawn in: seeding, the critic's new head, the LoRA matrices, the reference copy)."""
+        self._check_arguments(args, processing_class, model, ref_model, reward_model, train_dataset)
+        self.args, self.processing_class = args, processing_class
+        set_seed(args.seed)  # python, numpy and torch: two runs with the same seed give the same weights
+        model = self._setup_shared_base(model, ref_model, value_model, peft_config)
+        self._setup_stop_token()
+        train_dataset, eval_dataset, data_collator = self._setup_prompts(train_dataset, eval_dataset, data_collator)
+        self._setup_rewards(reward_model, reward_processing_classes, eval_reward, eval_dataset)
+        self.value_model = self._setup_value_model(value_model, model, peft_config)  # before PEFT touches the policy
+        self._setup_policy(model, ref_model, peft_config)
+        self.train_dataset, self.train_dataset_len, self.eval_dataset = train_dataset, len(train_dataset), eval_dataset
+        self.data_collator = data_collator
+        self._setup_batches_and_accelerator(optimizers)
+        self._setup_models()
+        self._setup_callbacks_and_state(callbacks)
+        self._setup_trainer_internals()
+        self._setup_data(train_dataset, eval_dataset, data_collator)
+        self._place_frozen_models()
+        # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
+        self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
+        self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
+
+    # ------------------------------------------------------------------------------------------------ setup steps
+    @staticmethod
+    def _check_arguments(args, tokenizer, model, ref_model, reward_model, train_dataset) -> None:
         if not isinstance(args, PPOConfig):
             raise TypeError(f"`args` must be a trl_ext.PPOConfig, got {type(args).__name__}: import PPOConfig from "
                             "trl_ext alongside PPOTrainer.")
@@ -135,72 +168,86 @@ class PPOTrainer(PPOTrainerBase):
         if reward_model is None:
             raise ValueError("`reward_model` is required: a sequence-classification model, a function "
                              "(prompts: list[str], completions: list[str], **columns) -> list[float], or a list.")
-        tokenizer = processing_class
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token: set `tokenizer.pad_token` (e.g. to its EOS token).")
 
-        # Shared base (trl_ext.models.build_shared_base): one base model, every role an adapter of it
+    def _setup_shared_base(self, model, ref_model, value_model, peft_config):
+        """A shared base (trl_ext.models.build_shared_base): one base model, every role an adapter of it. Returns the
+        policy model."""
         self.shared = model if isinstance(model, SharedBaseModels) else None
-        if self.shared is not None:
-            self._check_shared_base(args, ref_model, value_model, peft_config)
-            model = self.shared.policy
+        if self.shared is None:
+            return model
+        self._check_shared_base(self.args, ref_model, value_model, peft_config)
+        return self.shared.policy
 
-        self.args = args
-        self.processing_class = tokenizer
-        self.policy_model = model
-        set_seed(args.seed)  # python, numpy and torch: two runs with the same seed give the same weights
-
-        # Stop token: by default generation stops at EOS, and the stop token is a real response token.
+    def _setup_stop_token(self) -> None:
+        """By default generation stops at EOS, and the stop token is a real response token."""
+        args = self.args
         if args.stop_token_id is not None:
             self.stop_token_id = args.stop_token_id
         elif args.stop_token == "none":
             self.stop_token_id = None
         else:
-            self.stop_token_id = tokenizer.eos_token_id
+            self.stop_token_id = self.processing_class.eos_token_id
         if args.missing_eos_penalty is not None and self.stop_token_id is None:
             raise ValueError("missing_eos_penalty is set but there is no stop token (stop_token='none'): set a stop "
                              "token or drop the penalty.")
 
-        # Prompts: a `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever
-        # the tokenizer's padding side. A custom data_collator gets the dataset as given (and must left-pad).
+    def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
+        """A `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever the
+        tokenizer's padding side. A custom data_collator gets the dataset as given (and must left-pad)."""
+        args, tokenizer = self.args, self.processing_class
         self.prompt_counts = {"data/prompts_truncated": 0, "data/prompts_dropped": 0}
-        self.extra_columns: tuple[str, ...] = ()
-        if data_collator is None:
-            prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation)
-            train_dataset = prepared.dataset
-            self.prompt_counts = {"data/prompts_truncated": prepared.num_truncated,
-                                  "data/prompts_dropped": prepared.num_dropped}
-            if prepared.num_truncated or prepared.num_dropped:
-                print(f"[trl_ext] prompts longer than max_prompt_length={args.max_prompt_length}: "
-                      f"{prepared.num_truncated} cut from the left after their head, {prepared.num_dropped} dropped")
-            if eval_dataset is not None:
-                eval_dataset = prepare_prompts(eval_dataset, tokenizer, args.max_prompt_length,
-                                               args.prompt_truncation).dataset
-            self.extra_columns = tuple(prepared.extra_columns)
-            data_collator = LeftPaddingCollator(tokenizer, self.extra_columns)
+        self.column_names: tuple[str, ...] = ()  # dataset columns that travel with each prompt to the rewards
+        if data_collator is not None:
+            return train_dataset, eval_dataset, data_collator
+        prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation)
+        self.prompt_counts = {"data/prompts_truncated": prepared.num_truncated,
+                              "data/prompts_dropped": prepared.num_dropped}
+        if prepared.num_truncated or prepared.num_dropped:
+            print(f"[trl_ext] prompts longer than max_prompt_length={args.max_prompt_length}: "
+                  f"{prepared.num_truncated} cut from the left after their head, {prepared.num_dropped} dropped")
+        if eval_dataset is not None:
+            eval_dataset = prepare_prompts(eval_dataset, tokenizer, args.max_prompt_length,
+                                           args.prompt_truncation).dataset
+        self.column_names = tuple(prepared.extra_columns)
+        return prepared.dataset, eval_dataset, LeftPaddingCollator(tokenizer, self.column_names)
 
-        # Rewards: models (the policy's tokenizer or their own), functions, or a weighted list (trl_ext/rewards.py)
+    def _setup_rewards(self, reward_model, reward_processing_classes, eval_reward, eval_dataset) -> None:
+        """Models (the policy's tokenizer or their own), functions, or a weighted list (trl_ext/rewards.py); the score
+        conditioning; an optional gold scorer for evaluation only (never trained on)."""
+        args, tokenizer = self.args, self.processing_class
         self.reward_model = reward_model
         self.reward_scorer = RewardScorer(reward_model, tokenizer, args.reward_weights, reward_processing_classes)
+        self.reward_normalizer = RewardNormalizer(args.reward_norm, args.reward_norm_mean, args.reward_norm_std,
+                                                  args.reward_clip)
+        if eval_reward is not None and eval_dataset is None:
+            raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
+        self.eval_reward = eval_reward
+        self.eval_scorer = RewardScorer(eval_reward, tokenizer) if eval_reward is not None else None
 
-        # The critic, built before PEFT touches the policy (value_model_init="policy" copies the plain backbone)
+    def _setup_value_model(self, value_model, policy, peft_config):
+        """The critic, built before PEFT touches the policy (value_model_init="policy" copies the plain backbone)."""
         if self.shared is not None:
-            value_model = self.shared.value_model  # the critic adapter + value head
-        else:
-            critic_source = self._reward_model_for_critic() if args.value_model_init == "reward_model" else None
-            value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, model,
-                                            critic_source)
-            # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
-            value_model = lora_for_quantized_value_model(value_model, peft_config)
+            return self.shared.value_model  # the critic adapter + value head
+        args = self.args
+        critic_source = self._reward_model_for_critic() if args.value_model_init == "reward_model" else None
+        value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, policy, critic_source)
+        # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
+        return lora_for_quantized_value_model(value_model, peft_config)
 
-        # PEFT
+    def _setup_policy(self, model, ref_model, peft_config) -> None:
+        """The policy (with its PEFT adapter) and the reference: the given model, the policy with its adapter
+        disabled (peft), or a frozen copy."""
+        args = self.args
+        self.policy_model = model
         if peft_config is not None:
             if not is_peft_available():
                 raise ImportError("You passed `peft_config` but `peft` is not installed: `pip install peft`.")
-            if isinstance(self.policy_model, PeftModel):
+            if isinstance(model, PeftModel):
                 raise ValueError("You passed a PeftModel together with a `peft_config`: merge and unload the existing "
                                  "adapter first, or pass the PeftModel without `peft_config`.")
-            self.policy_model = get_peft_model(self.policy_model, peft_config)
+            self.policy_model = get_peft_model(model, peft_config)
         self.is_peft_model = is_peft_available() and isinstance(self.policy_model, PeftModel)
         if is_quantized(self.policy_model) and not self.is_peft_model:
             raise ValueError("The policy is loaded in 4-bit/8-bit and has no adapter, so PPO could train only its "
@@ -208,7 +255,6 @@ class PPOTrainer(PPOTrainerBase):
                              "target_modules='all-linear')), or use trl_ext.models.build_shared_base.")
         self.model_adapter_name = args.model_adapter_name
         self.ref_adapter_name = args.ref_adapter_name
-
         if ref_model is not None:
             self.ref_model = ref_model
         elif self.is_peft_model:
@@ -216,27 +262,18 @@ class PPOTrainer(PPOTrainerBase):
         else:
             self.ref_model = create_reference_model(self.policy_model)
 
-        self.reward_normalizer = RewardNormalizer(args.reward_norm, args.reward_norm_mean, args.reward_norm_std,
-                                                  args.reward_clip)
-        self.eval_reward = eval_reward  # a gold scorer for evaluation only (never trained on)
-        self.eval_scorer = RewardScorer(eval_reward, tokenizer) if eval_reward is not None else None
-        if eval_reward is not None and eval_dataset is None:
-            raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
-        self.train_dataset = train_dataset
-        self.train_dataset_len = len(train_dataset)
-        self.value_model = value_model
-        self.data_collator = data_collator
-        self.eval_dataset = eval_dataset
+    def _setup_batches_and_accelerator(self, optimizers) -> None:
+        """TRL's batch definitions, the Accelerator (one optimizer step per minibatch, the mixed precision), β."""
+        args = self.args
         self.optimizer, self.lr_scheduler = optimizers
         self.optimizer_cls_and_kwargs = None
         if self.optimizer is not None and args.critic_learning_rate is not None:
             raise ValueError("critic_learning_rate is set but you passed your own optimizer: give the value model's "
                              "parameters their learning rate in your optimizer's param groups, or drop the setting.")
-
         if args.total_episodes is None:
             args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
-        # Batch sizes (TRL's definitions). One rollout batch per process = per_device_train_batch_size x
-        # gradient_accumulation_steps prompts; it splits into num_mini_batches minibatches of micro-batches.
+        # One rollout batch per process = per_device_train_batch_size x gradient_accumulation_steps prompts; it splits
+        # into num_mini_batches minibatches of micro-batches.
         args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
         args.local_mini_batch_size = _exact_div(args.local_batch_size, args.num_mini_batches,
                                                 "per-process batch (per_device_train_batch_size x "
@@ -268,11 +305,17 @@ class PPOTrainer(PPOTrainerBase):
             self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
         self.local_dataloader_batch_size = args.local_batch_size
 
-        # Models: dropout off, gradient checkpointing as configured, policy+value as one trained module
-        scorer_models = list(self.reward_scorer.models.values())
+    def _frozen_scorer_models(self) -> list[torch.nn.Module]:
+        models = list(self.reward_scorer.models.values())
         if self.eval_scorer is not None:
-            scorer_models += list(self.eval_scorer.models.values())
-        for module in [self.policy_model, self.ref_model, self.value_model] + scorer_models:
+            models += list(self.eval_scorer.models.values())
+        return models
+
+    def _setup_models(self) -> None:
+        """Dropout off in every model, gradient checkpointing as configured, policy+value as one trained module, the
+        optimizer and scheduler."""
+        args = self.args
+        for module in [self.policy_model, self.ref_model, self.value_model] + self._frozen_scorer_models():
             if isinstance(module, torch.nn.Module):
                 disable_dropout(module)  # nn.Dropout modules and dropout rates held as numbers
                 # bitsandbytes on AVX512-BF16 CPUs: no in-place repacking of 4-bit weights (it breaks LoRA gradients)
@@ -290,9 +333,11 @@ class PPOTrainer(PPOTrainerBase):
         self.model.config = self.policy_model.config
         self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
 
-        # Trainer plumbing (callbacks, state). Alarms first (they add alarm/<name> keys to the logs the others
-        # see); report_to adds TensorBoard/trackio/wandb; every run writes output_dir/metrics.jsonl; the progress bar
-        # is PPOProgress (or printed logs with disable_tqdm).
+    def _setup_callbacks_and_state(self, callbacks) -> None:
+        """Alarms first (they add alarm/<name> keys to the logs the others see); report_to adds TensorBoard/trackio/
+        wandb; every run writes output_dir/metrics.jsonl; the progress bar is PPOProgress (or printed logs with
+        disable_tqdm)."""
+        args = self.args
         callbacks = list(callbacks or [])
         alarms = [cb for cb in callbacks if isinstance(cb, AlarmCallback)]
         if not alarms and args.alarms:
@@ -301,7 +346,7 @@ class PPOTrainer(PPOTrainerBase):
         run_folder = [] if any(isinstance(cb, MetricsFileCallback) for cb in callbacks) else [MetricsFileCallback()]
         self.callbacks = (DEFAULT_CALLBACKS + alarms + get_reporting_integration_callbacks(args.report_to)
                           + callbacks + run_folder)
-        self.callback_handler = CallbackHandler(self.callbacks, self.model, tokenizer, self.optimizer,
+        self.callback_handler = CallbackHandler(self.callbacks, self.model, self.processing_class, self.optimizer,
                                                 self.lr_scheduler)
         if args.disable_tqdm:
             self.add_callback(PrinterCallback)
@@ -312,10 +357,16 @@ class PPOTrainer(PPOTrainerBase):
             stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
                                 if isinstance(cb, ExportableState)],
         )
+
+    def _setup_trainer_internals(self) -> None:
+        """The attributes `transformers.Trainer`'s methods that trl_ext calls read (save_model, the optimizer/RNG
+        checkpoint helpers, create_model_card, init_hf_repo), as of transformers 5.18-5.24: `Trainer.__init__` is
+        never run, so they are set here, in one place."""
+        args, state = self.args, self.accelerator.state
         self.current_flos = 0
         self.hp_search_backend = None
-        self.is_deepspeed_enabled = getattr(accelerator.state, "deepspeed_plugin", None) is not None
-        self.is_fsdp_enabled = getattr(accelerator.state, "fsdp_plugin", None) is not None
+        self.is_deepspeed_enabled = getattr(state, "deepspeed_plugin", None) is not None
+        self.is_fsdp_enabled = getattr(state, "fsdp_plugin", None) is not None
         self.is_distributed_loading_by_transformers = False  # read by Trainer._save on non-zero ranks
         self.is_fsdp_xla_v1_enabled = False  # read by Trainer._load_optimizer_and_scheduler
         self.hub_model_id = None
@@ -324,7 +375,10 @@ class PPOTrainer(PPOTrainerBase):
         if args.should_save:
             os.makedirs(args.output_dir, exist_ok=True)
 
-        # Data: one seeded permutation per data epoch, shared by all processes, each taking its slice
+    def _setup_data(self, train_dataset, eval_dataset, data_collator) -> None:
+        """The rollout dataloader (one seeded permutation per data epoch, shared by all processes, each taking its
+        slice), `accelerate.prepare` of the trained module and optimizer, and each process's share of eval_dataset."""
+        args, accelerator = self.args, self.accelerator
         self.batch_sampler = RolloutBatchSampler(self.train_dataset_len, args.local_batch_size,
                                                  accelerator.num_processes, accelerator.process_index, args.seed)
         # (its own generator: creating the iterator must not draw from the global RNG that sampling uses)
@@ -343,11 +397,13 @@ class PPOTrainer(PPOTrainerBase):
                                                                 accelerator.num_processes))
             if len(shard) == 0:
                 raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts, fewer than the "
-                                 f"{accelerator.num_processes}"
-                                 " processes; add prompts.")
+                                 f"{accelerator.num_processes} processes; add prompts.")
             self.eval_dataloader = DataLoader(shard, batch_size=args.per_device_eval_batch_size,
                                               collate_fn=data_collator, generator=torch.Generator().manual_seed(0))
 
+    def _place_frozen_models(self) -> None:
+        """The reference and the reward models: wrapped for DeepSpeed inference, or moved to the training device."""
+        accelerator = self.accelerator
         if self.is_deepspeed_enabled:
             from trl.models.utils import prepare_deepspeed
 
@@ -359,12 +415,8 @@ class PPOTrainer(PPOTrainerBase):
         else:
             if self.ref_model is not None:
                 self.ref_model = self.ref_model.to(accelerator.device)
-            for module in scorer_models:
+            for module in self._frozen_scorer_models():
                 module.to(accelerator.device)
-
-        # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
-        self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
-        self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
 
     # ------------------------------------------------------------------------------------------------ helpers
     @staticmethod
@@ -447,6 +499,16 @@ class PPOTrainer(PPOTrainerBase):
         with self.null_ref_context():
             return response_logprobs(self.unwrapped.policy, inputs, responses, self.args.temperature)
 
+    def _generate(self, policy, queries: torch.Tensor, query_mask: torch.Tensor):
+        """Sample with `policy` in the loss's precision -> (B, T) responses (the pad id after the stop token), their
+        (B, T) bool mask (up to and including the stop token) and the sampler's (B, T) log-probs."""
+        with self.accelerator.autocast():
+            responses, sampler_logprobs = generate_responses(policy, queries, query_mask, self.sampling,
+                                                             self.args.local_rollout_forward_batch_size)
+        response_mask = response_mask_from_stop(responses, self.stop_token_id)
+        responses = responses.masked_fill(~response_mask, self.processing_class.pad_token_id)
+        return responses, response_mask, sampler_logprobs
+
     def _phase(self, name: str) -> None:
         progress = getattr(self, "_progress", None)
         if progress is not None:
@@ -463,6 +525,10 @@ class PPOTrainer(PPOTrainerBase):
                     "score": rollout.scores[i].item()} for i in range(n)]
         append_jsonl(os.path.join(self.args.output_dir, SAMPLES_FILE), records)
 
+    def _gather(self, tensor: torch.Tensor) -> torch.Tensor:
+        """(n, ...) on each process -> (n · processes, ...): rows of all processes."""
+        return self.accelerator.gather(tensor.to(self.accelerator.device))
+
     def _sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum")
 
@@ -475,23 +541,18 @@ class PPOTrainer(PPOTrainerBase):
     def rollout(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None = None) -> Rollout:
         """Steps 1-7 of a PPO iteration on a batch of left-padded prompts: (B, Q) ids and (B, Q) bool mask.
         extra_columns: other dataset columns of these prompts (lists), passed to reward functions."""
-        args, accelerator, tok = self.args, self.accelerator, self.processing_class
+        args, accelerator = self.args, self.accelerator
         query_mask = query_mask.bool()
         check_left_padded(query_mask)
 
         # 1. generate: sample from softmax(logits / temperature), nothing else, in the loss's precision; the
         # sampler's own log-probs are kept to compare with the trainer's (rollout/sampler_logprob_diff_*)
+        # 2. the response mask from the stop position (the stop token is real; nothing after it is)
         self._phase("generating")
         with unwrap_model_for_generation(self.model, accelerator,
-                                         gather_deepspeed3_params=args.ds3_gather_for_generation) as unwrapped, \
-                accelerator.autocast():
-            responses, sampler_logprobs = generate_responses(unwrapped.policy, queries, query_mask, self.sampling,
-                                                             args.local_rollout_forward_batch_size)
-
-        # 2. response mask from the stop position (the stop token is real; nothing after it is)
+                                         gather_deepspeed3_params=args.ds3_gather_for_generation) as unwrapped:
+            responses, response_mask, sampler_logprobs = self._generate(unwrapped.policy, queries, query_mask)
         T = responses.shape[1]
-        response_mask = response_mask_from_stop(responses, self.stop_token_id)
-        responses = responses.masked_fill(~response_mask, tok.pad_token_id)
 
         self._phase("scoring")
         logprobs, ref_logprobs, values, scores, source_scores = [], [], [], [], []
@@ -582,84 +643,84 @@ class PPOTrainer(PPOTrainerBase):
         critic each run forward and backward with their own adapter active (one backward per role)."""
         args, accelerator = self.args, self.accelerator
         stats = UpdateStats()
-        B, mini, micro = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
+        B, mini_size, micro_size = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
         # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
         loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(B, device=rollout.queries.device)
-            starts = range(0, B, mini)
+            starts = range(0, B, mini_size)
             # real response tokens of each minibatch summed over processes: the token means' denominators
             num_tokens = self._sum_over_processes(torch.stack(
-                [rollout.response_mask[order[s : s + mini]].sum() for s in starts]).float())
-            for k, mb_start in enumerate(starts):
-                minibatch = order[mb_start : mb_start + mini]
-                for mc_start in range(0, mini, micro):
-                    mb = rollout[minibatch[mc_start : mc_start + micro]]
+                [rollout.response_mask[order[s : s + mini_size]].sum() for s in starts]).float())
+            for k, mini_start in enumerate(starts):
+                minibatch = order[mini_start : mini_start + mini_size]
+                for micro_start in range(0, mini_size, micro_size):
+                    micro = rollout[minibatch[micro_start : micro_start + micro_size]]
                     with accelerator.accumulate(self.model):
-                        inputs = sequence_inputs(mb.queries, mb.query_mask, mb.responses, mb.response_mask)
+                        inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
                         losses = self._shared_losses if self.shared is not None else self._losses
-                        pg_stats, vf_stats, entropy = losses(inputs, mb, critic_only, num_tokens[k], loss_scale)
+                        pg_stats, vf_stats, entropy = losses(inputs, micro, critic_only, num_tokens[k], loss_scale)
                         if accelerator.sync_gradients:
                             self._clip_gradients(stats, critic_only)
                         self.optimizer.step()
                         self.optimizer.zero_grad()
                     # before any optimizer step of this iteration (the first minibatch) the ratio must be 1.0
-                    stats.add(mb.response_mask.sum(), first_minibatch=epoch == 0 and mb_start == 0, **{
+                    stats.add(micro.response_mask.sum(), first_minibatch=epoch == 0 and mini_start == 0, **{
                         "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
                         "loss/policy_avg": pg_stats["loss"], "loss/value_avg": vf_stats["loss"],
                         "val/clipfrac_avg": vf_stats["clipfrac"], "policy/entropy_avg": entropy,
                         "val/ratio": pg_stats["ratio_mean"]})
         return stats
 
-    def _policy_terms(self, logits: torch.Tensor, mb: Rollout, num_tokens):
+    def _policy_terms(self, logits: torch.Tensor, micro: Rollout, num_tokens):
         """(b, T+1 or L, V) policy logits -> (policy loss, its stats, mean entropy); the entropy is taken under
         no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns."""
-        args, T = self.args, mb.responses.shape[1]
+        args, T = self.args, micro.responses.shape[1]
         response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
-        tokens = model_input_ids(mb.responses, mb.response_mask)  # pad ids (maybe not in the vocabulary) -> 0
+        tokens = model_input_ids(micro.responses, micro.response_mask)  # pad ids (maybe not in the vocabulary) -> 0
         new_logprobs = token_logprobs(response_logits, tokens, args.temperature, LOGPROB_CHUNK)
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
-                                  mb.response_mask)
-        pg_loss, pg_stats = clipped_policy_loss(new_logprobs, mb.logprobs, mb.advantages, mb.response_mask,
+                                  micro.response_mask)
+        pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
                                                 args.cliprange, num_tokens)
         return pg_loss, pg_stats, entropy
 
-    def _value_terms(self, values: torch.Tensor, mb: Rollout, num_tokens):
-        T = mb.responses.shape[1]
+    def _value_terms(self, values: torch.Tensor, micro: Rollout, num_tokens):
+        T = micro.responses.shape[1]
         vpred = values[:, -T - 1 : -1].float()
-        return clipped_value_loss(vpred, mb.values, mb.returns, mb.response_mask, self.args.cliprange_value,
+        return clipped_value_loss(vpred, micro.values, micro.returns, micro.response_mask, self.args.cliprange_value,
                                   num_tokens)
 
-    def _losses(self, inputs: dict, mb: Rollout, critic_only: bool, num_tokens, loss_scale: float):
+    def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, num_tokens, loss_scale: float):
         """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
         micro-batch's share of the minibatch's token means, see `ppo_update`)."""
-        T = mb.responses.shape[1]
+        T = micro.responses.shape[1]
         logits, values = self.model(**inputs, logits_to_keep=T + 1)
-        pg_loss, pg_stats, entropy = self._policy_terms(logits, mb, num_tokens)
+        pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, num_tokens)
         del logits
-        vf_loss, vf_stats = self._value_terms(values, mb, num_tokens)
+        vf_loss, vf_stats = self._value_terms(values, micro, num_tokens)
         # in warmup the policy term is kept at weight 0 so every parameter still gets a gradient (DDP needs that);
         # those zeros are dropped before the optimizer step
         loss = (0.0 if critic_only else 1.0) * pg_loss + self.args.vf_coef * vf_loss
         self.accelerator.backward(loss * loss_scale)
         return pg_stats, vf_stats, entropy
 
-    def _shared_losses(self, inputs: dict, mb: Rollout, critic_only: bool, num_tokens, loss_scale: float):
+    def _shared_losses(self, inputs: dict, micro: Rollout, critic_only: bool, num_tokens, loss_scale: float):
         """Shared base: the policy pass (adapter "policy") and the critic pass (adapter "critic"), each with its
         backward inside its adapter context, since gradient checkpointing recomputes layers with the adapter
         active at backward time. The gradients are the same as one backward of the summed loss (the two losses
         share no trainable parameter). In critic warmup the policy pass runs without grad."""
-        T = mb.responses.shape[1]
+        T = micro.responses.shape[1]
         with self.shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
             logits = self.model(**inputs, logits_to_keep=T + 1, role="policy")
-            pg_loss, pg_stats, entropy = self._policy_terms(logits, mb, num_tokens)
+            pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, num_tokens)
             del logits
             if not critic_only:
                 self.accelerator.backward(pg_loss * loss_scale)
         with self.shared.adapter("critic"):
             values = self.model(**inputs, role="value")
-            vf_loss, vf_stats = self._value_terms(values, mb, num_tokens)
+            vf_loss, vf_stats = self._value_terms(values, micro, num_tokens)
             self.accelerator.backward(self.args.vf_coef * vf_loss * loss_scale)
         return pg_stats, vf_stats, entropy
 
@@ -667,15 +728,10 @@ class PPOTrainer(PPOTrainerBase):
     def metrics(self, rollout: Rollout, stats: UpdateStats, kl_coef: float, warmup: bool) -> dict:
         """Step 9: TRL's metric keys and trl_ext's (trl_ext/diagnostics.py), over real tokens and all processes.
         kl_coef: the β this rollout's rewards were shaped with."""
-        gather = lambda t: self.accelerator.gather(t.to(self.accelerator.device))  # noqa: E731
+        gather = self._gather
         m = rollout_metrics(rollout, kl_coef, self.stop_token_id, gather)
-        if rollout.source_scores is not None:  # each reward source's raw (unweighted) mean score, over the rows
-            scores = gather(rollout.source_scores.float())  # it scored (a function's None is NaN there)
-            none = torch.isnan(scores).float().mean(0)
-            for name, mean, share in zip(self.reward_scorer.names, torch.nanmean(scores, 0), none):
-                m[f"objective/scores/{name}"] = mean.item()
-                if share > 0:  # the share of completions it returned None for (TRL's "not applicable")
-                    m[f"objective/scores_none/{name}"] = share.item()
+        if rollout.source_scores is not None:
+            m.update(source_metrics(rollout.source_scores, self.reward_scorer.names, gather))
         m.update(update_metrics(stats, self._sum_over_processes, gather))
         m["val/warmup"] = float(warmup)
         m.update(self.prompt_counts)
@@ -724,14 +780,14 @@ class PPOTrainer(PPOTrainerBase):
             kl_coef = self.kl_ctl.value
             # 1-7. rollout: generate, score, shape rewards with the current β, advantages
             rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                   extra_columns(batch))
+                                   dataset_columns(batch))
             # 8. PPO epochs (value model only during critic warmup)
             progress.phase("optimising critic" if warmup else "optimising")
             stats = self.ppo_update(rollout, critic_only=warmup)
             # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
             metrics = self.metrics(rollout, stats, kl_coef, warmup)
             metrics["eps"] = (self.state.episode - start_episode) / max(time.time() - start_time, 1e-9)  # episodes/s
-            self.kl_ctl.update(metrics["objective/kl"], args.batch_size)
+            self.kl_ctl.update(mean_sequence_kl(rollout, self._gather), args.batch_size)
             self.state.epoch = self.state.episode / self.train_dataset_len
             self.state.global_step += 1
             if self._should_evaluate():
@@ -895,11 +951,9 @@ class PPOTrainer(PPOTrainerBase):
                 model, context = self.ref_model, nullcontext()
             else:
                 model, context = self.unwrapped.policy, self.null_ref_context() if reference else nullcontext()
-            with context, self.accelerator.autocast():
-                responses, _ = generate_responses(model, queries, query_mask, self.sampling,
-                                                  self.args.local_rollout_forward_batch_size)
-        response_mask = response_mask_from_stop(responses, self.stop_token_id)
-        return responses.masked_fill(~response_mask, self.processing_class.pad_token_id), response_mask
+            with context:
+                responses, response_mask, _ = self._generate(model, queries, query_mask)
+        return responses, response_mask
 
     @contextmanager
     def _own_rng(self, seed: int):
@@ -941,23 +995,14 @@ class PPOTrainer(PPOTrainerBase):
                 ref_logprobs = self._ref_logprobs(inputs, responses)
                 kl = ((logprobs - ref_logprobs) * response_mask).sum(1)
                 columns = [kl]
-                extra = extra_columns(batch)
+                extra = dataset_columns(batch)
                 for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
                     columns.append(scorer(queries, query_mask, responses, response_mask, extra, self.state)[0])
                     columns.append(scorer(queries, query_mask, ref_responses, ref_mask, extra, self.state)[0])
             rows.append(torch.stack([c.float().to(device) for c in columns], 1))
         # (prompts, 3 or 5); gather_object, as the processes' shares of the prompts may differ by one
         table = torch.tensor(gather_object(torch.cat(rows).tolist()), dtype=torch.float32)
-
-        def win_rate(policy, reference):
-            return ((policy > reference).float() + 0.5 * (policy == reference).float()).mean().item()
-
-        out = {"eval/kl": table[:, 0].mean().item(), "eval/score": table[:, 1].mean().item(),
-               "eval/score_ref": table[:, 2].mean().item(), "eval/win_rate_vs_ref": win_rate(table[:, 1], table[:, 2])}
-        if self.eval_reward is not None:
-            out.update({"eval/gold_score": table[:, 3].mean().item(), "eval/gold_score_ref": table[:, 4].mean().item(),
-                        "eval/gold_win_rate_vs_ref": win_rate(table[:, 3], table[:, 4])})
-        return out
+        return evaluation_metrics(table)
 
     # ------------------------------------------------------------------------------------------------ samples
     @torch.no_grad()
@@ -971,13 +1016,10 @@ class PPOTrainer(PPOTrainerBase):
             queries, query_mask = batch["input_ids"], batch["attention_mask"]
             gather = self.args.ds3_gather_for_generation
             with unwrap_model_for_generation(self.model, self.accelerator, gather_deepspeed3_params=gather) as model, \
-                    self._own_rng(self._eval_seed(i)), self.accelerator.autocast():
-                responses, _ = generate_responses(model.policy, queries, query_mask, self.sampling,
-                                                  self.args.local_rollout_forward_batch_size)
-            response_mask = response_mask_from_stop(responses, self.stop_token_id)
-            responses = responses.masked_fill(~response_mask, tok.pad_token_id)
+                    self._own_rng(self._eval_seed(i)):
+                responses, response_mask, _ = self._generate(model.policy, queries, query_mask)
             with self.accelerator.autocast():
-                scores = self.reward_scorer(queries, query_mask, responses, response_mask, extra_columns(batch),
+                scores = self.reward_scorer(queries, query_mask, responses, response_mask, dataset_columns(batch),
                                             self.state)[0]
             for q, qm, r, rm, s in zip(queries, query_mask, responses, response_mask, scores):
                 rows.append((tok.decode(q[qm], skip_special_tokens=True), tok.decode(r[rm]), float(s)))
