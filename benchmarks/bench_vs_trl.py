@@ -276,9 +276,9 @@ def _smollm2_tokenizer():
 def _opinion_dataset(tok, n: int):
     from datasets import Dataset
 
-    rows = [json.loads(line) for line in (ROOT / "recipes" / "data" / "opinion_prompts.jsonl").read_text().splitlines()
-            if line.strip()]
-    texts = [r["prompt"] for r in rows if r.get("split", "train") == "train"]
+    from trl_ext.sentiment import load_prompts
+
+    texts = load_prompts("train")
     texts = (texts * (n // len(texts) + 1))[:n]
     return Dataset.from_dict({"input_ids": [tok(t)["input_ids"] for t in texts]})
 

@@ -19,35 +19,22 @@ once, ~20 s):
 
     python recipes/ppo_smollm2_lora.py --output_dir runs/ppo-smollm2-lora
 
-Every `trl_ext.PPOConfig` field is a flag (`--total_episodes 64`, `--learning_rate 5e-4`, `--kl_coef 0.1`, ...), as
-are the fields of `ScriptArguments` below (`--lora_r 16`, ...). Load the result with
-`PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2_path()), output_dir)`.
+Every `trl_ext.PPOConfig`, `trl.ModelConfig` and `ScriptArguments` field is a flag (`--total_episodes 64`,
+`--learning_rate 5e-4`, `--lora_r 16`, `--value_trainable_layers -1`), and `--config run.yaml` reads them from YAML.
+Load the result with `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2_path()), output_dir)`.
 """
 
 from __future__ import annotations
 
-import math
-import os
 import re
-import sys
 import time
 from dataclasses import dataclass, field
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # run from a checkout, uninstalled
+from trl import ModelConfig, get_peft_config
 
-from datasets import Dataset  # noqa: E402
-from peft import LoraConfig  # noqa: E402
-from transformers import (  # noqa: E402
-    AutoModelForCausalLM,
-    AutoModelForSequenceClassification,
-    AutoTokenizer,
-    HfArgumentParser,
-    set_seed,
-)
-
-from trl_ext import PPOConfig, PPOTrainer  # noqa: E402
-from trl_ext.callbacks import METRICS_FILE, MetricsFileCallback  # noqa: E402
-from trl_ext.embedded import smollm2_path  # noqa: E402
+from trl_ext import PPOConfig
+from trl_ext.report import run_summary
+from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, parse_args
 
 # Question -> words that make an answer on topic (lower case; matched against the answer's words).
 QUESTIONS: dict[str, set[str]] = {
@@ -108,22 +95,11 @@ def reward_fn(prompts: list[str], completions: list[str]) -> list[float]:
 
 @dataclass
 class ScriptArguments:
-    """Recipe options that are not PPOConfig fields."""
+    """Recipe options that are not PPOConfig or ModelConfig fields."""
 
-    lora_r: int = field(default=8, metadata={"help": "LoRA rank."})
-    lora_alpha: int = field(default=16, metadata={"help": "LoRA alpha (scale = alpha / r)."})
-    lora_target_modules: str = field(
-        default="all-linear",
-        metadata={"help": "Comma-separated module names for LoRA (e.g. 'q_proj,v_proj'), or 'all-linear'."},
-    )
     value_trainable_layers: int = field(
-        default=2,
-        metadata={"help": "Train only the top N decoder layers (plus final norm and score head) of the value model; "
-                  "-1 trains all of it. Freezing the rest halves the CPU time of a PPO step."},
-    )
-    model_path: str | None = field(
-        default=None, metadata={"help": "A local model folder; default: SmolLM2-135M-Instruct via smollm2_path()."}
-    )
+        default=2, metadata={"help": "Train only the top N decoder layers (plus final norm and score head) of the "
+                             "value model; -1 trains all of it. Freezing the rest halves the CPU time of a PPO step."})
 
 
 # 16 PPO steps of 8 rollouts of up to 24 tokens, 4 passes over the 32 prompts (time: docs/results.md).
@@ -131,6 +107,7 @@ class ScriptArguments:
 # flat (~-0.5 throughout), 5e-4 moves it slowly (last-quarter mean ~-0.25), 1e-3 takes it from ~-0.5 to ~+0.2..+0.3
 # on the last steps, at a summed sequence KL of ~5-7 nats. Step-to-step scores are noisy (8 rollouts per step).
 RECIPE_DEFAULTS = dict(
+    **CPU_DEFAULTS,
     output_dir="runs/ppo-smollm2-lora",
     total_episodes=128,
     per_device_train_batch_size=8,
@@ -140,73 +117,43 @@ RECIPE_DEFAULTS = dict(
     temperature=1.0,
     learning_rate=1e-3,
     kl_coef=0.05,
-    bf16=False,
-    report_to="none",
-    save_strategy="no",
-    num_sample_generations=0,
-    logging_steps=1,
-    lr_scheduler_type="constant",
-    gradient_checkpointing=False,  # TRL defaults it on; on CPU memory is plentiful and recomputation costs time
+    **LORA_DEFAULTS,
 )
 
 
-def freeze_value_backbone(value_model, trainable_layers: int) -> None:
-    """Leave only the top `trainable_layers` decoder layers, the final norm and the score head trainable (-1: all)."""
-    if trainable_layers < 0:
-        return
-    backbone = getattr(value_model, value_model.base_model_prefix)
-    for param in backbone.parameters():
-        param.requires_grad_(False)
-    trainable = [value_model.score, backbone.norm]
-    trainable += list(backbone.layers[len(backbone.layers) - trainable_layers:]) if trainable_layers else []
-    for module in trainable:
-        module.requires_grad_(True)
+def build_dataset():
+    """The questions as a conversational prompt dataset (the trainer renders them with the chat template)."""
+    from datasets import Dataset
 
-
-def build_dataset(tokenizer) -> Dataset:
-    """The questions rendered with the chat template (generation prompt added) and tokenized: column `input_ids`."""
-    def tokenize(row):
-        text = tokenizer.apply_chat_template([{"role": "user", "content": row["prompt"]}], tokenize=False,
-                                             add_generation_prompt=True)
-        return {"input_ids": tokenizer(text, add_special_tokens=False)["input_ids"]}
-
-    return Dataset.from_dict({"prompt": list(QUESTIONS)}).map(tokenize, remove_columns=["prompt"])
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": q}] for q in QUESTIONS]})
 
 
 def main(argv: list[str] | None = None) -> dict:
-    parser = HfArgumentParser((ScriptArguments, PPOConfig))
-    parser.set_defaults(**RECIPE_DEFAULTS)
-    script_args, args = parser.parse_args_into_dataclasses(args=argv)
-    set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
+    script_args, args, model_args = parse_args((ScriptArguments, PPOConfig, ModelConfig), RECIPE_DEFAULTS, argv)
+    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
-    model_path = script_args.model_path or str(smollm2_path())
-    tokenizer = AutoTokenizer.from_pretrained(model_path, padding_side="left")
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token  # SmolLM2 already pads with its EOS token <|im_end|>
+    from trl_ext import PPOTrainer
+    from trl_ext.callbacks import METRICS_FILE
+    from trl_ext.embedded import smollm2_path
+    from trl_ext.models import freeze_backbone
+    from trl_ext.scripts import load_tokenizer
+
+    set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
+    model_path = model_args.model_name_or_path or str(smollm2_path())
+    tokenizer = load_tokenizer(model_path)  # SmolLM2 pads with its EOS token <|im_end|>
     policy = AutoModelForCausalLM.from_pretrained(model_path)
     value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
     value_model.config.pad_token_id = tokenizer.pad_token_id  # pad == eos; set so the head never has to guess
-    freeze_value_backbone(value_model, script_args.value_trainable_layers)
-
-    targets = script_args.lora_target_modules
-    peft_config = LoraConfig(
-        r=script_args.lora_r,
-        lora_alpha=script_args.lora_alpha,
-        lora_dropout=0.0,
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
-        task_type="CAUSAL_LM",
-    )
-
+    freeze_backbone(value_model, script_args.value_trainable_layers)
     trainer = PPOTrainer(
         args=args,
         processing_class=tokenizer,
         model=policy,
         ref_model=None,  # the policy with its adapter disabled is the reference
         reward_model=reward_fn,
-        train_dataset=build_dataset(tokenizer),
+        train_dataset=build_dataset(),
         value_model=value_model,
-        peft_config=peft_config,
-        callbacks=[MetricsFileCallback()],
+        peft_config=get_peft_config(model_args),
     )
     if trainer.is_world_process_zero():
         print(f"[recipe] PPO + LoRA on SmolLM2-135M-Instruct: {args.num_total_batches} steps x {args.batch_size} "
@@ -216,29 +163,15 @@ def main(argv: list[str] | None = None) -> dict:
     start = time.time()
     trainer.train()
     wall = time.time() - start
-
     trainer.save_model(args.output_dir)  # with peft: adapter_config.json + adapter_model.safetensors
+    summary = {**run_summary(trainer.state.log_history), "wall_s": wall}
     if trainer.is_world_process_zero():
         tokenizer.save_pretrained(args.output_dir)
-
-    logs = [entry for entry in trainer.state.log_history if "objective/scores" in entry]
-    scores = [entry["objective/scores"] for entry in logs]
-    k = max(1, len(scores) // 4)
-    summary = {
-        "steps": len(logs),
-        "wall_s": wall,
-        "s_per_step": wall / max(1, len(logs)),
-        "first_score": scores[0] if scores else math.nan,
-        "last_score": scores[-1] if scores else math.nan,
-        "first_quarter_score": sum(scores[:k]) / k if scores else math.nan,
-        "last_quarter_score": sum(scores[-k:]) / k if scores else math.nan,
-        "last_kl": logs[-1]["objective/kl"] if logs else math.nan,
-    }
-    if trainer.is_world_process_zero():
-        print(f"[recipe] done: {summary['steps']} steps in {wall:.0f} s ({summary['s_per_step']:.1f} s/step); "
-              f"mean score first {summary['first_score']:+.3f} -> last {summary['last_score']:+.3f} "
-              f"(first/last quarter {summary['first_quarter_score']:+.3f} -> {summary['last_quarter_score']:+.3f}), "
-              f"KL {summary['last_kl']:.3f}; adapter, tokenizer and {METRICS_FILE} in {args.output_dir}", flush=True)
+        s = summary
+        print(f"[recipe] done: {s['steps']} steps in {wall:.0f} s ({wall / max(1, s['steps']):.1f} s/step); "
+              f"mean score first {s['first_score']:+.3f} -> last {s['last_score']:+.3f} (first/last quarter "
+              f"{s['first_quarter_score']:+.3f} -> {s['last_quarter_score']:+.3f}), KL {s['last_kl']:.3f}; "
+              f"adapter, tokenizer and {METRICS_FILE} in {args.output_dir}", flush=True)
     return summary
 
 

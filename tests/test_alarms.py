@@ -192,6 +192,20 @@ def test_length_exploitation_on_a_truncation_rise():
         assert fragment in alarms_[0].message
 
 
+def test_reward_hacking_is_not_fired_by_one_lucky_batch():
+    """A healthy run measured on 16-rollout batches (the quickstart's seed-42 scores, rounded): the first batch scores
+    high by chance, then score and KL rise together (score +0.35, KL +1.7 nats over the run). Single-step differences
+    read step 1 -> step 11 as 'score +0.11 for 1.75 nats' and fire; 3-step means do not."""
+    scores = [0.19, -0.25, -0.22, 0.20, 0.16, 0.21, 0.04, -0.02, -0.04, 0.35, 0.30, 0.16, 0.43, 0.38, 0.41, 0.37]
+    kls = [0.0, 0.0, 0.18, 0.16, 0.52, 0.24, 0.06, 1.54, 0.99, 1.41, 1.75, 1.74, 2.86, 2.15, 1.76, 2.0]
+    stream = [calm(objective__scores=s, objective__kl=k) for s, k in zip(scores, kls)]
+    assert run(stream, {"hacking_smooth": 1}) == [("reward_hacking", 11)]
+    assert run(stream) == []
+    # ... while the same run with the score flat after step 6 is still caught
+    flat = [calm(objective__scores=s if i < 6 else 0.2, objective__kl=k) for i, (s, k) in enumerate(zip(scores, kls))]
+    assert [name for name, _ in run(flat)] == ["reward_hacking"]
+
+
 def test_length_exploitation_on_a_steady_length_rise_with_high_truncation():
     lengths = [40.0] * 10 + [45.0, 50.0, 55.0, 60.0, 65.0, 70.0]
     stream = [calm(rollout__truncation_rate=0.6, rollout__response_length_mean=n) for n in lengths]
@@ -206,7 +220,9 @@ def test_reward_hacking_when_kl_outgrows_the_score():
     # flat to step 10, then KL +0.25 nat/step and score +0.01/step: ΔKL/Δscore = 25; ΔKL over 10 steps > 1 at step 15
     stream = [calm() for _ in range(10)] + [calm(objective__kl=1.0 + 0.25 * k, objective__scores=0.5 + 0.01 * k)
                                             for k in range(1, 10)]
-    assert run(stream) == [("reward_hacking", 15)]
+    # (Δ of 3-step means: ΔKL first exceeds 1 nat at step 16)
+    assert run(stream) == [("reward_hacking", 16)]
+    assert run(stream, {"hacking_smooth": 1}) == [("reward_hacking", 15)]  # single steps: one step earlier
     # the same KL growth with the score keeping pace (ratio 2.5) is learning, not hacking
     assert run([calm() for _ in range(10)] + [calm(objective__kl=1.0 + 0.25 * k, objective__scores=0.5 + 0.1 * k)
                                               for k in range(1, 10)]) == []
@@ -215,6 +231,7 @@ def test_reward_hacking_when_kl_outgrows_the_score():
                                               for k in range(1, 10)]) == []
     m = AlarmMonitor()
     new = [a for step, x in enumerate(stream, 1) for a in m.update(step, x)]
+    assert "means over 3 steps" in new[0].message
     for fragment in ("samples.jsonl", "kl_target", "reward model", "raise kl_coef"):
         assert fragment in new[0].message
 
@@ -281,7 +298,7 @@ def test_thresholds_round_trip_and_defaults():
     assert (t.rearm_steps, t.kl_jump, t.clipfrac_max, t.approxkl_max, t.ratio_tol) == (3, 5.0, 0.3, 0.05, 1e-3)
     assert (t.explained_variance_min, t.value_lag_steps, t.entropy_window, t.entropy_drop) == (0.0, 3, 5, 0.5)
     assert (t.length_window, t.truncation_rise, t.truncation_max) == (5, 0.2, 0.5)
-    assert (t.hacking_window, t.hacking_ratio, t.hacking_kl_min) == (10, 10.0, 1.0)
+    assert (t.hacking_window, t.hacking_smooth, t.hacking_ratio, t.hacking_kl_min) == (10, 3, 10.0, 1.0)
     assert AlarmThresholds.from_dict(t.to_dict()) == t
     assert AlarmThresholds.from_dict({}) == t
 

@@ -1,4 +1,5 @@
-"""Tests for the GPU recipe (recipes/ppo_tldr.py) and the accelerate configs (recipes/accelerate_configs/).
+"""Tests for the GPU recipe (recipes/ppo_tldr.py), the loaders it runs on (trl_ext.scripts) and the accelerate configs
+(recipes/accelerate_configs/).
 
 No GPU and no model hub here: the configs are checked with accelerate's own loader, the hub errors with the hub forced
 offline (`huggingface_hub.constants.HF_HUB_OFFLINE`, which blocks every hub request), and the recipe runs end to end
@@ -17,6 +18,9 @@ import sys
 
 import pytest
 from accelerate.commands.config.config_args import load_config_from_file
+from trl import get_peft_config
+
+from trl_ext import scripts
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "ppo_tldr.py"
@@ -114,10 +118,10 @@ def test_configs_readme_gives_each_launch_line_and_says_what_was_run():
 
 def test_defaults_are_huang_et_al_2024():
     """The 1B TL;DR setting of Huang et al. (2024, arXiv:2403.17031), read from their code (module docstring)."""
-    script_args, args = recipe.parse_args([])
+    script_args, args, model_args = recipe.parse_args([])
     assert args.sft_model_path == "cleanrl/EleutherAI_pythia-1b-deduped__sft__tldr"
     assert args.reward_model_path == "cleanrl/EleutherAI_pythia-1b-deduped__reward__tldr"
-    assert script_args.model_name_or_path == "EleutherAI/pythia-1b-deduped"
+    assert model_args.model_name_or_path == "EleutherAI/pythia-1b-deduped"
     assert script_args.dataset_name == "trl-lib/tldr"
     assert (script_args.dataset_train_split, script_args.dataset_test_split) == ("train", "validation")
     assert args.learning_rate == 3e-6 and args.adam_epsilon == 1e-5 and args.lr_scheduler_type.value == "linear"
@@ -139,30 +143,30 @@ def test_docstring_table_is_what_the_parser_gives():
     default is in the table (so the documented sources cover every knob the recipe changes)."""
     rows = re.findall(r"^\| `(--\w+)` \| `([^`]*)` \|", recipe.__doc__, flags=re.M)
     assert len(rows) >= 30
-    script_defaults, defaults = recipe.parse_args([])
+    defaults = recipe.parse_args([])
     for flag, value in rows:
-        script_args, args = recipe.parse_args([flag, value])
+        parsed = recipe.parse_args([flag, value])
         name = flag[2:]
-        if hasattr(args, name):
-            assert getattr(args, name) == getattr(defaults, name), (flag, value, getattr(defaults, name))
-        else:
-            assert getattr(script_args, name) == getattr(script_defaults, name), (flag, value)
+        # the instance (ScriptArguments, PPOConfig or ModelConfig) that has the field
+        given, default = next((p, d) for p, d in zip(parsed, defaults) if hasattr(p, name))
+        assert getattr(given, name) == getattr(default, name), (flag, value, getattr(default, name))
     documented = {flag[2:] for flag, _ in rows}
     undocumented = set(recipe.RECIPE_DEFAULTS) - documented - {"output_dir", "logging_steps", "report_to"}
     assert not undocumented, f"recipe defaults without a row in the docstring table: {undocumented}"
 
 
 def test_flags_override_and_bad_combinations_are_errors():
-    script_args, args = recipe.parse_args(["--kl_coef", "0.1", "--use_peft", "--lora_r", "8", "--response_length", "64",
-                                           "--ds3_gather_for_generation", "False"])
+    script_args, args, model_args = recipe.parse_args(["--kl_coef", "0.1", "--use_peft", "--lora_r", "8",
+                                                       "--response_length", "64", "--ds3_gather_for_generation",
+                                                       "False"])
     assert args.kl_coef == 0.1 and args.response_length == 64 and args.ds3_gather_for_generation is False
-    assert script_args.use_peft is True and script_args.lora_r == 8
-    peft_config = recipe.peft_config_of(script_args)
-    assert peft_config.r == 8 and peft_config.task_type == "CAUSAL_LM"
-    assert recipe.peft_config_of(recipe.parse_args([])[0]) is None
+    assert model_args.use_peft is True and model_args.lora_r == 8
+    peft_config = get_peft_config(model_args)  # TRL's helper, as the recipe calls it
+    assert peft_config.r == 8 and peft_config.task_type == "CAUSAL_LM" and peft_config.target_modules == "all-linear"
+    assert get_peft_config(recipe.parse_args([])[2]) is None
     with pytest.raises(ValueError, match="--use_peft"):
         recipe.parse_args(["--load_in_4bit"])
-    with pytest.raises(ValueError, match="--dtype 'fp8'"):
+    with pytest.raises(SystemExit):  # ModelConfig's choices: argparse names the value and the choices
         recipe.parse_args(["--dtype", "fp8"])
 
 
@@ -208,8 +212,10 @@ def standins(tmp_path_factory):
 def test_load_in_4bit_loads_the_policy_in_nf4(standins):
     """--use_peft --load_in_4bit (QLoRA for 7-8B policies on one GPU): the policy's linear layers are 4-bit NF4."""
     pytest.importorskip("bitsandbytes")
-    script_args, _ = recipe.parse_args(["--use_peft", "--load_in_4bit"])
-    policy = recipe.load_policy(str(standins / "sft"), script_args)
+    script_args, args, model_args = recipe.parse_args(["--use_peft", "--load_in_4bit", "--sft_model_path",
+                                                       str(standins / "sft"), "--reward_model_path",
+                                                       str(standins / "rm")])
+    policy, _, _ = recipe.load_models(args, script_args, model_args, pad_token_id=0)
     q_proj = policy.model.layers[0].self_attn.q_proj
     assert type(q_proj).__name__ == "Linear4bit" and q_proj.weight.quant_type == "nf4"
     assert policy.is_loaded_in_4bit
@@ -235,15 +241,15 @@ def _assert_clear_hub_message(message: str, name: str, flag: str) -> None:
 
 
 def test_tokenizer_by_name_with_the_hub_offline_is_a_clear_error(offline_hub):
-    with pytest.raises(recipe.HubUnavailableError) as info:
-        recipe.load_tokenizer("trl-ext-tests/not-cached-tokenizer", trust_remote_code=False)
+    with pytest.raises(scripts.HubUnavailableError) as info:
+        scripts.load_tokenizer("trl-ext-tests/not-cached-tokenizer", trust_remote_code=False)
     _assert_clear_hub_message(str(info.value), "trl-ext-tests/not-cached-tokenizer", "--model_name_or_path")
 
 
 def test_dataset_by_name_with_the_hub_offline_is_a_clear_error(offline_hub):
-    script_args, _ = recipe.parse_args(["--dataset_name", "trl-ext-tests/not-cached-tldr"])
-    with pytest.raises(recipe.HubUnavailableError) as info:
-        recipe.load_prompt_splits(script_args, evaluate=True)
+    script_args, _, _ = recipe.parse_args(["--dataset_name", "trl-ext-tests/not-cached-tldr"])
+    with pytest.raises(scripts.HubUnavailableError) as info:
+        scripts.load_prompt_splits(script_args, evaluate=True)
     message = str(info.value)
     _assert_clear_hub_message(message, "trl-ext-tests/not-cached-tldr", "--dataset_name")
     assert "--repo-type dataset" in message and "prompts.jsonl" in message
@@ -255,7 +261,7 @@ def test_models_by_name_with_the_hub_offline_are_clear_errors(offline_hub, stand
     argv = ["--output_dir", str(tmp_path / "out"), "--model_name_or_path", str(standins / "sft"),
             "--dataset_name", str(standins / "data"), "--sft_model_path", str(standins / "sft"),
             "--reward_model_path", str(standins / "rm"), flag, "trl-ext-tests/not-cached-model"]
-    with pytest.raises(recipe.HubUnavailableError) as info:
+    with pytest.raises(scripts.HubUnavailableError) as info:
         recipe.main(argv)
     message = str(info.value)
     _assert_clear_hub_message(message, "trl-ext-tests/not-cached-model", flag)
@@ -267,18 +273,18 @@ def test_hub_load_not_found_path_like_and_other_errors():
         raise OSError("org/typo is not a local folder and is not a valid model identifier listed on "
                       "'https://huggingface.co/models'")
 
-    with pytest.raises(recipe.HubUnavailableError, match=r"'org/typo' \(--sft_model_path\).*no such model repository"):
-        recipe.hub_load("SFT policy", "org/typo", missing_repo, "--sft_model_path")
+    with pytest.raises(scripts.HubUnavailableError, match=r"'org/typo' \(--sft_model_path\).*no such model repository"):
+        scripts.hub_load("SFT policy", "org/typo", missing_repo, "--sft_model_path")
 
     def broken_config():
         raise ValueError("config.json: unknown model_type 'nope'")
 
     with pytest.raises(ValueError, match="unknown model_type"):  # not a hub failure: passed through unchanged
-        recipe.hub_load("SFT policy", "org/model", broken_config, "--sft_model_path")
+        scripts.hub_load("SFT policy", "org/model", broken_config, "--sft_model_path")
 
     calls = []
     with pytest.raises(FileNotFoundError, match="'./no/such/folder'.*nothing there"):
-        recipe.hub_load("SFT policy", "./no/such/folder", lambda: calls.append(1), "--sft_model_path")
+        scripts.hub_load("SFT policy", "./no/such/folder", lambda: calls.append(1), "--sft_model_path")
     assert calls == []  # a path is never sent to the hub
 
 
@@ -302,8 +308,8 @@ def test_local_data_file_folder_and_saved_dataset(standins, tmp_path):
     from datasets import Dataset, DatasetDict
 
     def splits(name, evaluate=True, *extra):
-        script_args, _ = recipe.parse_args(["--dataset_name", str(name), *extra])
-        return recipe.load_prompt_splits(script_args, evaluate)
+        script_args, _, _ = recipe.parse_args(["--dataset_name", str(name), *extra])
+        return scripts.load_prompt_splits(script_args, evaluate, script_args.eval_samples)
 
     # a folder of train.jsonl + validation.jsonl: both splits, only the prompt column, eval capped by --eval_samples
     train, test = splits(standins / "data", True, "--eval_samples", "4")

@@ -1,7 +1,7 @@
-"""recipes/ppo_qlora_7b.py: the recipe YAMLs mapped onto PPOConfig, BitsAndBytesConfig and LoraConfig; command-line
-overrides; errors; the planner's estimate printed before loading; and (slow) the recipe end to end on CPU with a tiny
-random Llama loaded in nf4, in both layouts, checking that only the adapters and heads train and that they are
-saved."""
+"""recipes/ppo_qlora_7b.py and trl_ext/qlora.py: the recipe YAMLs mapped onto PPOConfig, BitsAndBytesConfig and
+LoraConfig; command-line overrides; errors; the planner's estimate printed before loading; and (slow) the recipe end
+to end on CPU with a tiny random Llama loaded in nf4, in both layouts, checking that only the adapters and heads train
+and that they are saved."""
 
 from __future__ import annotations
 
@@ -15,6 +15,7 @@ import pytest
 import torch
 import yaml
 
+from trl_ext import qlora
 from trl_ext.memory import GIB, PRESETS, PlanConfig, estimate_memory, load_shape
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
@@ -54,15 +55,15 @@ def test_yaml_maps_onto_ppo_bnb_and_lora_configs(config, tmp_path):
     assert str(getattr(args.optim, "value", args.optim)) == raw["optim"]
     assert args.bf16 is (raw["compute_dtype"] == "bf16") and args.fp16 is False
 
-    bnb = recipe.quantization_config(plan)
+    bnb = qlora.quantization_config(plan)
     assert raw["base_dtype"] == "nf4"
     assert bnb.load_in_4bit and not bnb.load_in_8bit
     assert bnb.bnb_4bit_quant_type == raw["base_dtype"]
     assert bnb.bnb_4bit_use_double_quant is raw["bnb_4bit_use_double_quant"]
     assert bnb.bnb_4bit_compute_dtype == torch.bfloat16
-    assert recipe.weights_dtype(plan) == torch.bfloat16  # embeddings/lm_head/norms in the compute dtype
+    assert qlora.weights_dtype(plan) == torch.bfloat16  # embeddings/lm_head/norms in the compute dtype
 
-    lora = recipe.lora_config(plan, script_args)
+    lora = qlora.lora_config(plan, script_args.lora_alpha, script_args.lora_dropout)
     assert lora.r == raw["lora_r"] and lora.target_modules == raw["lora_target_modules"] == "all-linear"
     assert lora.lora_alpha == 2 * raw["lora_r"] and lora.task_type == "CAUSAL_LM"
     assert plan.layout == raw["layout"]
@@ -89,18 +90,18 @@ def test_command_line_overrides_win_over_the_yaml(tmp_path):
     assert (plan.per_device_train_batch_size, plan.response_length, plan.max_prompt_length, plan.lora_r,
             plan.layout, plan.compute_dtype, plan.autocast, plan.gradient_checkpointing) == (
         2, 8, 16, 4, "separate", "fp32", False, False)
-    bnb = recipe.quantization_config(plan)
+    bnb = qlora.quantization_config(plan)
     assert bnb.bnb_4bit_compute_dtype == torch.float32 and bnb.bnb_4bit_use_double_quant is False
-    lora = recipe.lora_config(plan, script_args)
+    lora = qlora.lora_config(plan, script_args.lora_alpha, script_args.lora_dropout)
     assert (lora.r, lora.lora_alpha, set(lora.target_modules)) == (4, 4, {"q_proj", "v_proj"})
-    assert recipe.weights_dtype(plan) == torch.float32
+    assert qlora.weights_dtype(plan) == torch.float32
 
 
 def test_compute_dtype_fp16_sets_fp16_autocast(tmp_path):
     config = REPO / "recipes" / "qlora_7b" / "shared_12gb.yaml"
     _, args, plan = parse(config, "--compute_dtype", "fp16", tmp_path=tmp_path)
     assert args.fp16 is True and args.bf16 is False and plan.autocast is True
-    assert recipe.quantization_config(plan).bnb_4bit_compute_dtype == torch.float16
+    assert qlora.quantization_config(plan).bnb_4bit_compute_dtype == torch.float16
 
 
 def _yaml(tmp_path, **changes):
@@ -154,7 +155,7 @@ def test_argument_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--value_model_path is for layout separate"):
         parse(config, "--compute_dtype", "fp32", "--value_model_path", "rm", tmp_path=tmp_path)
     # bf16 autocast where there is no bf16 GPU: named, with the two fixes
-    monkeypatch.setattr(recipe, "_bf16_available", lambda: False)
+    monkeypatch.setattr("transformers.utils.is_torch_bf16_gpu_available", lambda: False)  
     with pytest.raises(ValueError, match="compute_dtype=bf16.*--compute_dtype fp16.*--compute_dtype fp32"):
         parse(config, tmp_path=tmp_path)
     for use_cpu in (["--use_cpu"], ["--use_cpu", "True"], ["--use_cpu=true"]):  # TrainingArguments' CPU bf16
@@ -205,7 +206,7 @@ def test_planner_estimate_is_printed_for_the_models_shape(tmp_path, capsys):
     (folder / "config.json").write_text(json.dumps({"model_type": "llama", **PRESETS["llama-3-8b"].to_config()}))
     script_args, _, plan = parse(config, "--use_cpu", "True", tmp_path=tmp_path)
     script_args.model_name_or_path = str(folder)
-    figures = recipe.report_memory_plan(script_args, plan)
+    figures = qlora.report_memory_plan(script_args, plan)
     out = capsys.readouterr().out
     expected = estimate_memory(PRESETS["llama-3-8b"], PlanConfig.from_file(str(config)))
     assert figures["plan_peak_bytes"] == expected.peak_bytes
@@ -222,7 +223,7 @@ def test_without_a_readable_config_the_yaml_preset_is_planned(tmp_path, capsys):
     config = REPO / "recipes" / "qlora_7b" / "shared_12gb.yaml"
     script_args, _, plan = parse(config, "--use_cpu", "True", tmp_path=tmp_path)
     script_args.model_name_or_path = str(tmp_path / "not-there")  # not a folder, not a hub name
-    figures = recipe.report_memory_plan(script_args, plan)
+    figures = qlora.report_memory_plan(script_args, plan)
     out = capsys.readouterr().out
     assert "`model: mistral-7b`" in out and "could not read the config" in out
     assert figures["plan_peak_bytes"] == estimate_memory(PRESETS["mistral-7b"], plan).peak_bytes
@@ -232,7 +233,7 @@ def test_a_separate_reward_model_next_to_a_shared_base_is_added(tmp_path, capsys
     config = REPO / "recipes" / "qlora_7b" / "shared_12gb.yaml"
     _, _, plan = parse(config, "--use_cpu", "True", tmp_path=tmp_path)
     shape = PRESETS["llama-2-7b"]
-    extra = recipe.extra_reward_model_bytes(shape, plan)
+    extra = qlora.extra_reward_model_bytes(shape, plan)
     # 4-bit linears with double quant (0.516 B/param) + bf16 embeddings and norms (no lm_head), by hand
     by_hand = shape.linear_params * (0.5 + (1 + 4 / 256) / 64) + (32000 * 4096 + 65 * 4096) * 2
     assert extra == pytest.approx(by_hand, rel=1e-9)
@@ -240,9 +241,9 @@ def test_a_separate_reward_model_next_to_a_shared_base_is_added(tmp_path, capsys
 
 
 def test_gpu_fit_warns_when_the_plan_exceeds_free_memory():
-    fits, message = recipe.gpu_fit(10 * GIB, 8 * GIB, 16 * GIB, "RTX A4000")
+    fits, message = qlora.gpu_fit(10 * GIB, 8 * GIB, 16 * GIB, "RTX A4000")
     assert not fits and "WARNING" in message and "2.0 GiB short" in message and "shared_12gb.yaml" in message
-    fits, message = recipe.gpu_fit(10 * GIB, 12.5 * GIB, 16 * GIB, "RTX A4000")
+    fits, message = qlora.gpu_fit(10 * GIB, 12.5 * GIB, 16 * GIB, "RTX A4000")
     assert fits and "fits (2.5 GiB spare)" in message and "WARNING" not in message
 
 

@@ -1,4 +1,5 @@
-"""Tests for the quickstart, recipes/ppo_smollm2_sentiment.py, and the shared sentiment helpers (recipes/sentiment.py).
+"""Tests for the quickstart, recipes/ppo_smollm2_sentiment.py, the sentiment helpers (trl_ext.sentiment), the run
+summary (trl_ext.report.run_summary) and the paired before/after samples (PPOTrainer.paired_completions).
 
 Fast tests: the shipped prompt set and its split, the VADER reward on sentences whose scores the vaderSentiment README
 publishes, the summary arithmetic, the command-line defaults. The slow test runs a shortened quickstart as a subprocess
@@ -12,6 +13,9 @@ import subprocess
 import sys
 
 import pytest
+
+from trl_ext import sentiment
+from trl_ext.report import run_summary
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"
@@ -28,7 +32,6 @@ def _import(name):
         sys.path.remove(str(RECIPES))
 
 
-sentiment = _import("sentiment")
 quickstart = _import("ppo_smollm2_sentiment")
 
 
@@ -61,11 +64,13 @@ def test_prompt_dataset_is_conversational():
     assert ds[0]["prompt"] == [{"role": "user", "content": sentiment.load_prompts("test")[0]}]
 
 
-def test_held_out_dataset_repeats_each_prompt_in_a_row():
+def test_recipe_prompts_carry_the_instruction_and_repeat_each_prompt_in_a_row():
     test = sentiment.load_prompts("test")
-    ds = quickstart.held_out_dataset(repeats=3)
+    ds = quickstart.prompts("test", " Answer in one sentence.", repeats=3)
     assert len(ds) == 48
-    assert [row["prompt"][0]["content"] for row in ds][:6] == [test[0]] * 3 + [test[1]] * 3
+    contents = [row["prompt"][0]["content"] for row in ds]
+    assert contents[:6] == [test[0] + " Answer in one sentence."] * 3 + [test[1] + " Answer in one sentence."] * 3
+    assert [row["prompt"][0]["content"] for row in quickstart.prompts("train", "")] == sentiment.load_prompts("train")
 
 
 # ---------------------------------------------------------------------------------------------------- VADER reward
@@ -117,7 +122,7 @@ def _log_history():
 
 
 def test_summary_arithmetic():
-    s = quickstart.summarize_run(_log_history())
+    s = run_summary(_log_history())
     assert s["steps"] == 8
     assert s["first_score"] == 0.1 and s["last_score"] == 0.7
     assert s["first_quarter_score"] == pytest.approx((0.1 + 0.3) / 2)  # a quarter of 8 steps: 2
@@ -129,10 +134,10 @@ def test_summary_arithmetic():
 
 
 def test_summary_of_short_and_empty_runs():
-    s = quickstart.summarize_run(_log_history()[:3])  # 3 steps: quarter = 1 step; no evaluation yet
+    s = run_summary(_log_history()[:3])  # 3 steps: quarter = 1 step; no evaluation yet
     assert s["first_quarter_score"] == 0.1 and s["last_quarter_score"] == 0.2
     assert math.isnan(s["eval_win_rate"]) and math.isnan(s["eval_score"])
-    empty = quickstart.summarize_run([])
+    empty = run_summary([])
     assert empty["steps"] == 0
     assert all(math.isnan(empty[k]) for k in ("first_score", "last_score", "last_kl", "max_kl", "eval_kl"))
 
@@ -141,7 +146,7 @@ def test_summary_reads_metrics_jsonl_records_with_nulls():
     records = [{"objective/scores": 0.2, "objective/kl": None, "step": 1},  # NaN written as null
                {"objective/scores": 0.4, "objective/kl": 1.0, "step": 2, "eval/win_rate_vs_ref": 0.75,
                 "eval/score": 0.5, "eval/score_ref": 0.25, "eval/kl": None}]
-    s = quickstart.summarize_run(records)
+    s = run_summary(records)
     assert s["last_kl"] == 1.0 and s["max_kl"] == 1.0
     assert s["eval_win_rate"] == 0.75 and math.isnan(s["eval_kl"])
 
@@ -152,9 +157,7 @@ def test_summary_reads_metrics_jsonl_records_with_nulls():
 TINY_PROMPTS = ["w1 w2", "w3 w4 w5", "w6", "w7 w8", "w9 w10 w11", "w12 w13"]  # words of the tiny tokenizer
 
 
-def _tiny_trainer(tmp_path, ref_model, repeats=2):
-    """A PPOTrainer on tiny models whose eval_dataset holds TINY_PROMPTS, each `repeats` times in a row (as
-    held_out_dataset lays out the held-out prompts)."""
+def _tiny_trainer(tmp_path, ref_model):
     from datasets import Dataset
 
     from trl_ext import PPOConfig, PPOTrainer
@@ -164,59 +167,74 @@ def _tiny_trainer(tmp_path, ref_model, repeats=2):
     policy = tiny_causal_lm(tok)
     args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=4, response_length=6,
                      report_to=[], save_strategy="no", bf16=False, disable_tqdm=True, per_device_eval_batch_size=4)
-    eval_dataset = Dataset.from_dict({"prompt": [p for p in TINY_PROMPTS for _ in range(repeats)]})
     return PPOTrainer(args=args, processing_class=tok, model=policy,
                       ref_model=ref_model(policy) if ref_model else None, reward_model=sentiment.vader_reward,
                       train_dataset=tiny_prompt_dataset(tok, 8), value_model=tiny_scalar_model(tok),
-                      eval_dataset=eval_dataset)
+                      eval_dataset=Dataset.from_dict({"prompt": TINY_PROMPTS}))
 
 
-def test_before_after_samples_are_paired(tmp_path):
-    """Policy == reference (a frozen copy): the paired samples are identical, prompt by prompt. Once the policy
-    differs, some completions differ; the same seed gives the same samples again."""
+def test_paired_completions_are_paired(tmp_path):
+    """Policy == reference (a frozen copy): the paired samples are identical, prompt by prompt, across two batches of
+    4. Once the policy differs, some completions differ; the same seed gives the same samples again."""
     import copy
 
     import torch
+    from datasets import Dataset
 
     trainer = _tiny_trainer(tmp_path, ref_model=copy.deepcopy)
-    rows = [0, 2, 4, 6, 8, 10]  # each prompt once, across two batches of 4
-    records = quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3, rows=rows)
-    assert [r["prompt"] for r in records] == TINY_PROMPTS
-    assert all(r["policy"] == r["reference"] and r["policy_score"] == r["reference_score"] for r in records)
+    prompts = Dataset.from_dict({"prompt": TINY_PROMPTS})
+    records = trainer.paired_completions(prompts, seed=3)
+    assert [r["query"] for r in records] == TINY_PROMPTS
+    assert all(r["policy"] == r["reference"] for r in records)
     assert any(r["policy"] for r in records)  # not all empty
 
     with torch.no_grad():
         trainer.unwrapped.policy.lm_head.weight.add_(torch.randn_like(trainer.unwrapped.policy.lm_head.weight))
-    moved = quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3, rows=rows)
+    moved = trainer.paired_completions(prompts, seed=3)
     assert [r["reference"] for r in moved] == [r["reference"] for r in records]  # the reference did not change
     assert any(r["policy"] != r["reference"] for r in moved)
-    assert quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3, rows=rows) == moved
+    assert trainer.paired_completions(prompts, seed=3) == moved
+    assert trainer.paired_completions(prompts, seed=4) != moved  # another seed, other random numbers
 
 
-def test_before_after_samples_refuse_rows_out_of_step_with_prompts(tmp_path):
+def test_paired_completions_with_the_adapter_disabled_as_reference(tmp_path):
+    """ref_model=None and no adapter: the reference is the policy itself, so both columns agree."""
+    from datasets import Dataset
+
     trainer = _tiny_trainer(tmp_path, ref_model=None)
-    # the first 6 rows are w1 w2, w1 w2, w3 w4 w5, ...: row 1 does not hold the second prompt
-    with pytest.raises(ValueError, match="row 1 holds 'w1 w2', not the prompt 'w3 w4 w5'"):
-        quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3)
-    with pytest.raises(ValueError, match="6 prompts but 2 rows"):
-        quickstart.before_after_samples(trainer, TINY_PROMPTS, seed=3, rows=[0, 2])
+    records = trainer.paired_completions(Dataset.from_dict({"prompt": TINY_PROMPTS[:3]}), seed=0, batch_size=2)
+    assert [r["query"] for r in records] == TINY_PROMPTS[:3]
+    assert all(r["policy"] == r["reference"] for r in records)
 
 
 # ---------------------------------------------------------------------------------------------------- command line
 
 
 def test_defaults_and_overrides_on_the_command_line():
-    script_args, args = quickstart.parse_args([])
+    script_args, args, model_args = quickstart.parse_args([])
     for key, value in quickstart.RECIPE_DEFAULTS.items():
         if key == "report_to":
             continue  # transformers turns "none" into []
-        got = getattr(args, key)
+        got = getattr(args, key) if hasattr(args, key) else getattr(model_args, key)
         assert (got.value if hasattr(got, "value") else got) == value, key
-    assert script_args.lora_r == 8 and script_args.eval_repeats == 2
-    script_args, args = quickstart.parse_args(["--learning_rate", "3e-4", "--lora_r", "4", "--eval_repeats", "1",
-                                               "--seed", "7", "--output_dir", "elsewhere"])
+    assert model_args.lora_r == 8 and model_args.use_peft and script_args.eval_repeats == 2
+    script_args, args, model_args = quickstart.parse_args(["--learning_rate", "3e-4", "--lora_r", "4",
+                                                           "--eval_repeats", "1", "--seed", "7", "--output_dir",
+                                                           "elsewhere"])
     assert (args.learning_rate, args.seed, args.output_dir) == (3e-4, 7, "elsewhere")
-    assert (script_args.lora_r, script_args.eval_repeats) == (4, 1)
+    assert (model_args.lora_r, script_args.eval_repeats) == (4, 1)
+
+
+def test_a_yaml_config_sets_defaults_and_the_command_line_wins(tmp_path):
+    """TRL's TrlParser: `--config run.yaml` sets values of every dataclass; a flag on the command line wins."""
+    config = tmp_path / "run.yaml"
+    config.write_text("learning_rate: 2.0e-4\nlora_r: 4\neval_repeats: 3\nseed: 5\n")
+    script_args, args, model_args = quickstart.parse_args(["--config", str(config), "--seed", "9"])
+    assert (args.learning_rate, model_args.lora_r, script_args.eval_repeats, args.seed) == (2e-4, 4, 3, 9)
+    assert args.total_episodes == quickstart.RECIPE_DEFAULTS["total_episodes"]  # untouched: the recipe's default
+    config.write_text("no_such_field: 1\n")
+    with pytest.raises(ValueError, match="no_such_field"):
+        quickstart.parse_args(["--config", str(config)])
 
 
 def test_eval_repeats_below_one_is_an_error():
@@ -264,10 +282,13 @@ def test_shortened_quickstart_writes_the_run_folder(tmp_path):
     assert summary["steps"] == 2 and summary["eval_comparisons"] == 16 and summary["samples"] == 16
     assert summary["first_score"] == records[0]["objective/scores"]
     assert summary["eval_win_rate"] == records[-1]["eval/win_rate_vs_ref"]
+    assert isinstance(summary["alarms"], list) and "alarms raised: " in proc.stdout
+    assert summary["last_truncation_rate"] == pytest.approx(records[-1]["rollout/truncation_rate"])  # a quarter: 1
 
     # before/after samples: every held-out prompt once, in order; the scores are VADER's scores of the texts
     samples = [json.loads(line) for line in (out / "samples_before_after.jsonl").read_text().splitlines()]
-    assert [s["prompt"] for s in samples] == sentiment.load_prompts("test")
+    instruction = quickstart.ScriptArguments().instruction
+    assert [s["prompt"] for s in samples] == [p + instruction for p in sentiment.load_prompts("test")]
     texts = [s["reference"] for s in samples] + [s["policy"] for s in samples]
     assert sentiment.vader_scores(texts) == [s["reference_score"] for s in samples] + [s["policy_score"] for s in
                                                                                          samples]

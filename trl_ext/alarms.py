@@ -26,9 +26,10 @@ Alarms (the name is `Alarm.name` and the ``alarm/<name>`` log key):
 ``length_exploitation``       ``rollout/truncation_rate > truncation_max`` and either it rose by more than
                               ``truncation_rise`` over the last ``length_window`` logged steps, or
                               ``rollout/response_length_mean`` rose on each of those steps.
-``reward_hacking``            the score rose while KL rose much faster: with ``Δx`` = x now − x ``hacking_window``
-                              logged steps earlier (x = ``objective/scores`` or ``objective/kl``, steps where both are
-                              logged), ``Δscore > 0`` and ``ΔKL > hacking_kl_min`` and
+``reward_hacking``            the score rose while KL rose much faster: with ``Δx`` = the mean of x over the last
+                              ``hacking_smooth`` logged steps − its mean over the ``hacking_smooth`` steps
+                              ``hacking_window`` steps earlier (x = ``objective/scores`` or ``objective/kl``, steps
+                              where both are logged), ``Δscore > 0`` and ``ΔKL > hacking_kl_min`` and
                               ``ΔKL / max(Δscore, 1e-8) > hacking_ratio`` (nats of KL bought per unit of score).
 ============================  ==========================================================================================
 
@@ -153,6 +154,11 @@ class AlarmThresholds:
 
     hacking_window: int = 10
     """reward_hacking: number of logged steps Δscore and ΔKL are measured over (>= 1)."""
+
+    hacking_smooth: int = 3
+    """reward_hacking: Δscore and ΔKL compare means over this many logged steps (>= 1), so that one noisy step (a
+    batch of 16 rollouts has a mean score uncertain by ~0.1) neither fires nor hides the alarm; 1 compares single
+    steps."""
 
     hacking_ratio: float = 10.0
     """reward_hacking: ΔKL / Δscore above this (KL in nats per unit of score; > 0)."""
@@ -382,13 +388,20 @@ class AlarmMonitor:
         if score is None or kl is None:
             return None
         history = self._history["score_kl"]
-        _push(history, [score, kl], t.hacking_window + 1)
-        if len(history) < t.hacking_window + 1:
+        n = t.hacking_smooth
+        _push(history, [score, kl], t.hacking_window + n)
+        if len(history) < t.hacking_window + n:
             return None
-        d_score, d_kl = score - history[0][0], kl - history[0][1]
+
+        def mean(rows, i):
+            return sum(row[i] for row in rows) / len(rows)
+
+        then, now = history[:n], history[-n:]
+        d_score, d_kl = mean(now, 0) - mean(then, 0), mean(now, 1) - mean(then, 1)
         if d_score > 0 and d_kl > t.hacking_kl_min and d_kl / max(d_score, _EPS) > t.hacking_ratio:
             return (f"over the last {t.hacking_window} steps the score rose by only {_g(d_score)} while "
-                    f"{KL} rose by {_g(d_kl)} nats ({_g(d_kl / max(d_score, _EPS))} nats per unit of score > "
+                    f"{KL} rose by {_g(d_kl)} nats (means over {n} steps) ({_g(d_kl / max(d_score, _EPS))} nats "
+                    f"per unit of score > "
                     f"{_g(t.hacking_ratio)})")
         return ""
 
@@ -480,7 +493,7 @@ class AlarmMonitor:
         clear = {name: int(state["clear_streak"].get(name, 0)) for name in ALARM_NAMES}
         t, history = self.thresholds, state["history"]
         maxlen = {"entropy": t.entropy_window + 1, "truncation": t.length_window + 1, "length": t.length_window + 1,
-                  "score_kl": t.hacking_window + 1}
+                  "score_kl": t.hacking_window + t.hacking_smooth}
         if set(history) != set(maxlen):
             raise ValueError(f"state_dict history has keys {sorted(history)}, expected {sorted(maxlen)}.")
         self.raised = raised

@@ -680,3 +680,22 @@ def build_value_model(init: str, head_init: str | None, value_model, policy, rew
             for p in critic.score.parameters():
                 p.zero_()
     return critic
+
+
+def freeze_backbone(value_model: nn.Module, trainable_layers: int) -> None:
+    """Leave only the top `trainable_layers` decoder layers, the final norm and the `score` head of a
+    sequence-classification model trainable (-1: all of it). On CPU a SmolLM2 critic with 2 of 30 layers trained
+    takes about half the time per PPO step of a fully trained one."""
+    if trainable_layers < 0:
+        return
+    backbone = getattr(value_model, value_model.base_model_prefix)
+    layers = getattr(backbone, "layers", None)
+    if layers is None or not hasattr(backbone, "norm") or not hasattr(value_model, "score"):
+        raise ValueError(f"freeze_backbone: {type(value_model).__name__} has no `{value_model.base_model_prefix}"
+                         ".layers`/`.norm` and `score` head (a Llama-style sequence classifier); pass -1 to train "
+                         "all of it.")
+    value_model.requires_grad_(False)
+    trainable = [value_model.score, backbone.norm] + (list(layers[len(layers) - trainable_layers:])
+                                                      if trainable_layers else [])
+    for module in trainable:
+        module.requires_grad_(True)

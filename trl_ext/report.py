@@ -254,6 +254,38 @@ def summarize(records: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def run_summary(records: list[dict]) -> dict:
+    """The numbers a recipe prints at the end, from the trainer's `state.log_history` or the records of metrics.jsonl.
+
+    Training: `first_score`/`last_score` are `objective/scores` of the first and last PPO step; the quarter means
+    average the first and last quarter of the steps (at least one step each); `last_kl` and `max_kl` are
+    `objective/kl` (per-sequence KL to the reference, nats); `last_truncation_rate` is the share of the last quarter's
+    responses that ran into `response_length` without a stop token. Held out: the eval/* numbers of the last
+    evaluation (`eval_score`, `eval_score_ref`, `eval_win_rate`, `eval_kl`). Missing numbers (and nulls) are NaN.
+    """
+    steps = [r for r in records if r.get("objective/scores") is not None]
+    scores = [_num(r["objective/scores"]) for r in steps]
+    kls = [v for v in (_num(r.get("objective/kl")) for r in steps) if math.isfinite(v)]
+    truncation = [_num(r.get("rollout/truncation_rate")) for r in steps]
+    k = max(1, len(scores) // 4)
+    evals = [r for r in records if r.get("eval/win_rate_vs_ref") is not None]
+    last_eval = evals[-1] if evals else {}
+    return {
+        "steps": len(steps),
+        "first_score": scores[0] if scores else math.nan,
+        "last_score": scores[-1] if scores else math.nan,
+        "first_quarter_score": _mean(scores[:k]),
+        "last_quarter_score": _mean(scores[-k:]),
+        "last_kl": kls[-1] if kls else math.nan,
+        "max_kl": max(kls) if kls else math.nan,
+        "last_truncation_rate": _mean(truncation[-k:]),
+        "eval_score": _num(last_eval.get("eval/score")),
+        "eval_score_ref": _num(last_eval.get("eval/score_ref")),
+        "eval_win_rate": _num(last_eval.get("eval/win_rate_vs_ref")),
+        "eval_kl": _num(last_eval.get("eval/kl")),
+    }
+
+
 def _summarize_samples(samples: list[dict], width: int = 100) -> list[str]:
     """Best and worst completion at the last sampled step."""
     steps = [_num(s.get("step")) for s in samples]
@@ -493,3 +525,82 @@ def report(run_dir) -> str:
         parts.append("\n".join(_summarize_samples(samples)))
     parts.append(f"dashboard: {png.resolve()}")
     return "\n".join(parts)
+
+
+# ------------------------------------------------------------------------------------------------- proxy vs gold
+
+
+def proxy_gold_table(log_history: list[dict], before: dict | None = None) -> list[dict]:
+    """The evaluations of a run with a gold scorer (`PPOTrainer(eval_reward=...)`), one row each: step, kl,
+    proxy/gold scores of policy and reference, their gains (policy minus reference, same prompts and random numbers)
+    and win rates. `before`: an evaluation at step 0."""
+    entries = ([{**before, "step": 0}] if before else []) + [e for e in log_history if "eval/gold_score" in e]
+    table = []
+    for e in entries:
+        table.append({
+            "step": int(e["step"]),
+            "kl": float(e["eval/kl"]),
+            "proxy": float(e["eval/score"]),
+            "proxy_ref": float(e["eval/score_ref"]),
+            "proxy_gain": float(e["eval/score"]) - float(e["eval/score_ref"]),
+            "gold": float(e["eval/gold_score"]),
+            "gold_ref": float(e["eval/gold_score_ref"]),
+            "gold_gain": float(e["eval/gold_score"]) - float(e["eval/gold_score_ref"]),
+            "proxy_win_rate": float(e["eval/win_rate_vs_ref"]),
+            "gold_win_rate": float(e["eval/gold_win_rate_vs_ref"]),
+        })
+    return table
+
+
+def format_proxy_gold_table(table: list[dict]) -> str:
+    lines = [f"{'step':>5} {'KL':>7} {'proxy':>8} {'Δproxy':>8} {'gold':>7} {'Δgold':>7} {'win(proxy)':>10} "
+             f"{'win(gold)':>9}"]
+    for r in table:
+        lines.append(f"{r['step']:>5} {r['kl']:>7.2f} {r['proxy']:>+8.3f} {r['proxy_gain']:>+8.3f} {r['gold']:>+7.3f} "
+                     f"{r['gold_gain']:>+7.3f} {r['proxy_win_rate']:>10.3f} {r['gold_win_rate']:>9.3f}")
+    return "\n".join(lines)
+
+
+def plot_proxy_vs_gold(table: list[dict], path, title: str = "") -> None:
+    """Left: proxy (RM) and gold (VADER) gains over the reference against KL, on their own axes (the RM's scale is
+    arbitrary). Right: the raw held-out scores of policy and reference over PPO steps."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, (ax, ax_steps) = plt.subplots(1, 2, figsize=(12, 4.5))
+    kl = [r["kl"] for r in table]
+    ax.plot(kl, [r["proxy_gain"] for r in table], "o-", color="tab:blue", label="proxy (learned RM)")
+    ax.set_xlabel("KL(policy ‖ reference), nats per completion (held out)")
+    ax.set_ylabel("proxy reward gain over reference", color="tab:blue")
+    ax.axhline(0.0, color="gray", lw=0.8)
+    for r in table:
+        ax.annotate(str(r["step"]), (r["kl"], r["proxy_gain"]), textcoords="offset points", xytext=(3, 3),
+                    fontsize=7, color="tab:blue")
+    gold_ax = ax.twinx()
+    gold_ax.plot(kl, [r["gold_gain"] for r in table], "s--", color="tab:red", label="gold (VADER)")
+    gold_ax.set_ylabel("gold reward gain over reference", color="tab:red")
+    handles = ax.get_legend_handles_labels()[0] + gold_ax.get_legend_handles_labels()[0]
+    ax.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    ax.set_title("Proxy vs gold reward as KL grows (labels: PPO step)")
+    ax.grid(True, alpha=0.3)
+
+    steps = [r["step"] for r in table]
+    ax_steps.plot(steps, [r["proxy"] for r in table], "o-", color="tab:blue", label="proxy, policy")
+    ax_steps.plot(steps, [r["proxy_ref"] for r in table], "o:", color="tab:blue", alpha=0.5, label="proxy, reference")
+    ax_steps.set_xlabel("PPO step")
+    ax_steps.set_ylabel("proxy (RM) score", color="tab:blue")
+    gold_steps = ax_steps.twinx()
+    gold_steps.plot(steps, [r["gold"] for r in table], "s--", color="tab:red", label="gold, policy")
+    gold_steps.plot(steps, [r["gold_ref"] for r in table], "s:", color="tab:red", alpha=0.5, label="gold, reference")
+    gold_steps.set_ylabel("gold (VADER) score", color="tab:red")
+    handles = ax_steps.get_legend_handles_labels()[0] + gold_steps.get_legend_handles_labels()[0]
+    ax_steps.legend(handles, [h.get_label() for h in handles], loc="upper left", fontsize=8)
+    ax_steps.set_title("Held-out scores over steps")
+    ax_steps.grid(True, alpha=0.3)
+    if title:
+        fig.suptitle(title)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)

@@ -973,6 +973,11 @@ class PPOTrainer(PPOTrainerBase):
     def _eval_seed(self, batch_index: int) -> int:
         return self.args.seed + 100003 * self.accelerator.process_index + 7919 * self.state.global_step + batch_index
 
+    @property
+    def alarms_raised(self) -> list:
+        """Every `trl_ext.alarms.Alarm` the run has raised so far (empty with `alarms=False`)."""
+        return [a for cb in self.callback_handler.callbacks if isinstance(cb, AlarmCallback) for a in cb.monitor.raised]
+
     @torch.no_grad()
     def evaluate_policy(self) -> dict[str, float]:
         """Held-out evaluation on `eval_dataset`: completions of the policy and of the reference for each prompt,
@@ -1005,6 +1010,30 @@ class PPOTrainer(PPOTrainerBase):
         return evaluation_metrics(table)
 
     # ------------------------------------------------------------------------------------------------ samples
+    @torch.no_grad()
+    def paired_completions(self, dataset, seed: int, batch_size: int | None = None) -> list[dict]:
+        """For each prompt of `dataset` (any prompt dataset the trainer takes: a `prompt` column of text or chat
+        messages, or `input_ids`), one completion of the reference ("before" training) and one of the policy, drawn
+        with the same random numbers from an RNG stream of their own (`seed`; the training RNG is untouched):
+        identical models give identical completions. Runs on this process, in dataset order.
+
+        Returns one dict per prompt: "query" (the rendered prompt, special tokens left out), "reference" and "policy"
+        (the completions as the reward functions get them)."""
+        tok = self.processing_class
+        prepared = prepare_prompts(dataset, tok, self.args.max_prompt_length, self.args.prompt_truncation).dataset
+        loader = DataLoader(prepared, batch_size=batch_size or self.args.per_device_eval_batch_size,
+                            collate_fn=LeftPaddingCollator(tok))
+        device, records = self.accelerator.device, []
+        for b, batch in enumerate(loader):
+            queries, query_mask = batch["input_ids"].to(device), batch["attention_mask"].to(device).bool()
+            texts = {}
+            for name in ("reference", "policy"):
+                responses, mask = self._sample(queries, query_mask, seed + b, reference=name == "reference")
+                texts[name] = [tok.decode(r[m], skip_special_tokens=True) for r, m in zip(responses, mask)]
+            records += [{"query": tok.decode(q[m], skip_special_tokens=True), "reference": ref, "policy": pol}
+                        for q, m, ref, pol in zip(queries, query_mask, texts["reference"], texts["policy"])]
+        return records
+
     @torch.no_grad()
     def generate_completions(self, sampling: bool = False):
         """Print a few completions of `eval_dataset` prompts with their scores (the first batch only if `sampling`).

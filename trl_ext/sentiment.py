@@ -1,8 +1,8 @@
-"""The shipped opinion prompts and the VADER sentiment scorer, shared by the sentiment recipes.
+"""The shipped opinion prompts and the VADER sentiment scorer, shared by the sentiment recipes and notebooks.
 
-- `load_prompts(split)`: the prompts of `recipes/data/opinion_prompts.jsonl`, written for this project: 80 requests for
-  a review or an opinion ("Write a short review of a bakery.", "What do you think of rainy days?"), 64 in the "train"
-  split and 16 held out in "test" (chosen at random once, seed 0, and stored in the file).
+- `load_prompts(split)`: the prompts of `trl_ext/assets/opinion_prompts.jsonl`, written for this project: 80
+  requests for a review or an opinion ("Write a short review of a bakery.", "What do you think of rainy days?"), 64
+  in the "train" split and 16 held out in "test" (chosen at random once, seed 0, and stored in the file).
 - `vader_reward(prompts, completions)`: the VADER compound sentiment of each completion, in [-1, 1] (Hutto & Gilbert
   2014, the `vaderSentiment` package: a lexicon and rules nobody here wrote). The prompt is not scored.
 - `prompt_dataset(split)`: a `datasets.Dataset` with a conversational `prompt` column, the form `PPOTrainer` renders
@@ -14,7 +14,7 @@ from __future__ import annotations
 import json
 import pathlib
 
-PROMPTS_FILE = pathlib.Path(__file__).resolve().parent / "data" / "opinion_prompts.jsonl"
+PROMPTS_FILE = pathlib.Path(__file__).resolve().parent / "assets" / "opinion_prompts.jsonl"
 SPLITS = ("train", "test")
 
 _analyzer = None
