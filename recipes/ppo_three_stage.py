@@ -21,8 +21,9 @@ policy's LoRA adapter. Run it (time and results: docs/results.md; the first run 
 
     python recipes/ppo_three_stage.py --output_dir runs/three-stage
 
-Every `trl_ext.PPOConfig` and `ScriptArguments` field is a flag (`--total_episodes 320`, `--samples_per_prompt 4`,
-`--rm_epochs 3`), and `--config run.yaml` reads them from YAML. The shortened run the tests use takes ~1 minute:
+Every `trl_ext.PPOConfig`, `trl.ModelConfig` and `ScriptArguments` field is a flag (`--total_episodes 320`,
+`--lora_r 16`, `--rm_epochs 3`), and `--config run.yaml` reads them from YAML. The shortened run of the tests takes ~1
+minute:
 
     python recipes/ppo_three_stage.py --output_dir /tmp/three-stage-quick --max_train_prompts 16 \\
         --max_test_prompts 4 --samples_per_prompt 2 --response_length 12 --rm_epochs 1 --total_episodes 8 \\
@@ -37,9 +38,11 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+from trl import ModelConfig, get_peft_config
+
 from trl_ext import PPOConfig
 from trl_ext.preferences import PAIRINGS
-from trl_ext.scripts import CPU_DEFAULTS
+from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS
 from trl_ext.scripts import parse_args as parse_recipe_args
 
 PLOT_FILE, SUMMARY_FILE, PAIRS_FILE = "proxy_vs_gold.png", "summary.json", "preferences_{split}.jsonl"
@@ -82,15 +85,10 @@ class ScriptArguments:
                             "reads); 'text': RewardTrainer re-tokenizes prompt + completion and appends EOS to each.")
     rm_pad_token: str = option("<|endoftext|>", "Pad token of the RM (must differ from EOS, so the classifier pools "
                                "at the final EOS).")
-    # Stage 3: PPO
-    lora_r: int = option(8, "LoRA rank of the policy.")
-    lora_alpha: int = option(16, "LoRA alpha of the policy (scale = alpha / r).")
-    lora_target_modules: str = option("all-linear", "Comma-separated module names for LoRA (policy and RM), or "
-                                      "'all-linear'.")
+    # Stage 3: PPO (the policy's LoRA: trl.ModelConfig's --lora_r, --lora_alpha, --lora_target_modules, also the RM's)
     value_trainable_layers: int = option(2, "Train only the top N decoder layers (plus final norm and score head) of "
                                          "the critic; -1 trains all of it (about twice the CPU time per step).")
     # Everything
-    model_path: str | None = option(None, "A local model folder; default: SmolLM2-135M-Instruct (smollm2_path()).")
     num_threads: int = option(0, "torch.set_num_threads (0: torch's default). On a CPU shared with other jobs, 1 can "
                               "be several times faster than oversubscribed threads.")
     write_report: bool = option(True, "Also write the `trl-ext report` dashboard.png.")
@@ -123,6 +121,7 @@ RECIPE_DEFAULTS = dict(
     temperature=1.0,
     learning_rate=1e-3,
     kl_coef=0.05,
+    **LORA_DEFAULTS,
     value_model_init="reward_model",  # the critic starts as a copy of the learned RM (InstructGPT)
     value_head_init="keep",  # ... head included: V(prefix) starts as the RM's score of the prefix
     eval_strategy="steps",
@@ -131,20 +130,19 @@ RECIPE_DEFAULTS = dict(
 )
 
 
-def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfig]:
-    script_args, args = parse_recipe_args((ScriptArguments, PPOConfig), RECIPE_DEFAULTS, argv)
+def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfig, ModelConfig]:
+    script_args, args, model_args = parse_recipe_args((ScriptArguments, PPOConfig, ModelConfig), RECIPE_DEFAULTS, argv)
     if args.eval_strategy == "no":
         raise ValueError("eval_strategy='no': this recipe's output is the held-out proxy-vs-gold evaluation; use "
                          "--eval_strategy steps with --eval_steps N.")
-    return script_args, args
+    return script_args, args, model_args
 
 
 def main(argv: list[str] | None = None) -> dict:
     wall_start = time.time()
-    s, args = parse_args(argv)
+    s, args, model_args = parse_args(argv)
 
     import torch
-    from peft import LoraConfig
     from transformers import AutoModelForCausalLM, set_seed
 
     from trl_ext import PPOTrainer
@@ -162,7 +160,7 @@ def main(argv: list[str] | None = None) -> dict:
     removed = clear_run_files(out, RUN_FILES)
     if removed:
         print(f"[three-stage] removed {', '.join(removed)} of an earlier run in {out}", flush=True)
-    model_path = s.model_path or str(smollm2_path())  # the first call converts the GGUF file (~20 s)
+    model_path = model_args.model_name_or_path or str(smollm2_path())  # the first call converts the GGUF file (~20 s)
     tokenizer = load_tokenizer(model_path)  # SmolLM2 pads with its EOS token <|im_end|>
     policy = AutoModelForCausalLM.from_pretrained(model_path).eval()
     prompts = {"train": load_prompts("train")[:s.max_train_prompts or None],
@@ -188,7 +186,7 @@ def main(argv: list[str] | None = None) -> dict:
     # 2. reward model: RewardTrainer + LoRA, merged
     t0 = time.time()
     reward_model, rm_tokenizer, trl_eval, rm_log = train_reward_model(model_path, pairs["train"], pairs["test"], s,
-                                                                      args.seed, out)
+                                                                      args.seed, out, model_args.lora_target_modules)
     reward_model.save_pretrained(out / RM_DIR)
     rm_tokenizer.save_pretrained(out / RM_DIR)
     write_jsonl(out / RM_LOG_FILE, rm_log)
@@ -209,9 +207,6 @@ def main(argv: list[str] | None = None) -> dict:
     # the critic's trainable layers are chosen here, on the RM (merge_and_unload left the RM's backbone frozen).
     reward_model.requires_grad_(True)
     freeze_backbone(reward_model, s.value_trainable_layers)
-    targets = s.lora_target_modules
-    peft_config = LoraConfig(r=s.lora_r, lora_alpha=s.lora_alpha, lora_dropout=0.0, task_type="CAUSAL_LM",
-                             target_modules=targets if targets == "all-linear" else targets.split(","))
 
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy,
                          ref_model=None,  # the policy with its adapter disabled is the reference
@@ -220,7 +215,7 @@ def main(argv: list[str] | None = None) -> dict:
                          value_model=None,  # built from the RM (value_model_init)
                          eval_dataset=prompt_dataset("test").select(range(len(prompts["test"]))),
                          eval_reward=vader_reward,  # gold: evaluation only
-                         peft_config=peft_config)
+                         peft_config=get_peft_config(model_args))
     reward_model.requires_grad_(False)  # the RM itself only scores; the critic is its own copy
     print(f"[three-stage] stage 3 (PPO): {args.num_total_batches} steps x {args.batch_size} rollouts against the "
           f"learned RM, critic from the RM ({args.value_model_init}, head {args.value_head_init}), "

@@ -77,13 +77,10 @@ Arguments: TRL's `ScriptArguments` (the dataset), `ModelConfig` (the tokenizer's
 and `get_quantization_config`, whose 4-bit compute dtype is `--dtype`) and `trl_ext.PPOConfig`, parsed by TRL's
 `TrlParser` (`--config run.yaml` works).
 
-Models and data by name come from the Hugging Face Hub. When the hub cannot be reached (no network,
-`HF_HUB_OFFLINE=1`) and the name is not in the local cache, the recipe stops with a message naming what failed and
-the fixes: connect, download once with `hf download NAME` (`huggingface-cli download NAME` in older huggingface_hub; add
-`--repo-type dataset` for the data), or pass a local folder (`--sft_model_path /path/to/folder`) or a local data file or
-folder (`--dataset_name /path/to/prompts.jsonl`, a `prompt` column; a folder of `train.jsonl` + `validation.jsonl`, or
-one saved with `DatasetDict.save_to_disk`). A single data file is the `train` split; pass `--eval_strategy no` or give
-a folder with a test split.
+Models and data by name come from the Hugging Face Hub; local folders and data files work too (`--sft_model_path
+/path`, `--dataset_name /path/prompts.jsonl` with a `prompt` column, a folder of `train.jsonl` + `validation.jsonl`, or
+a `save_to_disk` folder). Offline and not cached, the recipe stops with one message naming what failed and the fixes
+(`trl_ext.scripts.hub_load`).
 
 It writes to `--output_dir`: the policy (or its LoRA adapter), the tokenizer, metrics.jsonl and samples.jsonl
 (always; `--report_to wandb` or `tensorboard` adds a tracker, the recipe's default is `none`). Mixed precision comes

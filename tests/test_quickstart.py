@@ -223,6 +223,10 @@ def test_defaults_and_overrides_on_the_command_line():
                                                            "elsewhere"])
     assert (args.learning_rate, args.seed, args.output_dir) == (3e-4, 7, "elsewhere")
     assert (model_args.lora_r, script_args.eval_repeats) == (4, 1)
+    # LoRA target modules: TRL's space-separated list, or the comma-separated form the recipes took before
+    for flags in (["--lora_target_modules", "q_proj", "v_proj"], ["--lora_target_modules", "q_proj,v_proj"]):
+        assert quickstart.parse_args(flags)[2].lora_target_modules == ["q_proj", "v_proj"], flags
+    assert quickstart.parse_args([])[2].lora_target_modules == "all-linear"
 
 
 def test_a_yaml_config_sets_defaults_and_the_command_line_wins(tmp_path):

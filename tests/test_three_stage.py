@@ -161,10 +161,11 @@ def test_bad_flags_are_clear_errors(recipe, tmp_path, flags, match):
 
 
 def test_defaults_build_the_critic_from_the_reward_model(recipe, tmp_path):
-    script_args, args = recipe.parse_args(["--output_dir", str(tmp_path)])
+    script_args, args, model_args = recipe.parse_args(["--output_dir", str(tmp_path)])
     assert args.value_model_init == "reward_model" and args.value_head_init == "keep"
     assert args.eval_strategy == "steps" and script_args.rm_inputs == "sampled_ids"
     assert script_args.rm_pad_token == "<|endoftext|>"
+    assert model_args.use_peft and model_args.lora_r == 8  # the policy's LoRA: trl.ModelConfig, the CPU recipes' rank
 
 
 # ---------------------------------------------------------------------------------------------------- slow test

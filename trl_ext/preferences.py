@@ -151,12 +151,12 @@ def pearson(x: list[float], y: list[float]) -> float:
 
 
 def train_reward_model(model_path: str, train_pairs: list[dict], test_pairs: list[dict], script_args, seed: int,
-                       output_dir):
+                       output_dir, target_modules: str | list[str] = "all-linear"):
     """TRL's RewardTrainer with LoRA (SEQ_CLS; the `score` head trained in full) on the train pairs of
     `preference_pairs`; returns (the merged RM, its tokenizer, TRL's held-out eval metrics, RewardTrainer's log lines).
 
     `script_args` gives rm_pad_token (must differ from EOS, so the classifier pools at the final EOS, where PPO's
-    scorer reads), rm_lora_r, rm_lora_alpha, rm_lora_layers (top N layers; -1 all), lora_target_modules, rm_inputs
+    scorer reads), rm_lora_r, rm_lora_alpha, rm_lora_layers (top N layers; -1 all), rm_inputs
     ("sampled_ids": TRL's pre-tokenized chosen_ids/rejected_ids, the ids as sampled; "text": re-tokenized),
     rm_epochs, rm_batch_size, rm_learning_rate, rm_center_rewards_coefficient."""
     from datasets import Dataset
@@ -176,14 +176,15 @@ def train_reward_model(model_path: str, train_pairs: list[dict], test_pairs: lis
     model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
     model.config.pad_token_id = rm_tokenizer.pad_token_id
 
-    targets = s.lora_target_modules
+    targets = target_modules  # LoRA on these modules ('all-linear', a list, or comma-separated names)
     num_layers = model.config.num_hidden_layers
     peft_config = LoraConfig(
         task_type="SEQ_CLS",  # peft then trains the `score` head in full (modules_to_save)
         r=s.rm_lora_r,
         lora_alpha=s.rm_lora_alpha,
         lora_dropout=0.0,
-        target_modules=targets if targets == "all-linear" else [t.strip() for t in targets.split(",")],
+        target_modules=[t.strip() for t in targets.split(",")] if isinstance(targets, str) and targets != "all-linear"
+        else targets,
         layers_to_transform=None if s.rm_lora_layers < 0 else list(range(num_layers - s.rm_lora_layers, num_layers)),
     )
     columns = ["prompt", "chosen", "rejected"] + (["chosen_ids", "rejected_ids"] if s.rm_inputs == "sampled_ids"

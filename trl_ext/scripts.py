@@ -63,7 +63,14 @@ def parse_args(dataclass_types: tuple, defaults: dict, argv: list[str] | None = 
 
     parser = TrlParser(dataclass_types)
     parser.set_defaults(**defaults)
-    return tuple(parser.parse_args_and_config(args=argv))
+    parsed = tuple(parser.parse_args_and_config(args=argv))
+    for instance in parsed:
+        # ModelConfig takes `--lora_target_modules q_proj v_proj`; the recipes took "q_proj,v_proj", which peft
+        # would read as one module-name pattern matching nothing: split it
+        targets = getattr(instance, "lora_target_modules", None)
+        if isinstance(targets, str) and "," in targets:
+            instance.lora_target_modules = [t.strip() for t in targets.split(",") if t.strip()]
+    return parsed
 
 
 # ------------------------------------------------------------------------------------------------ loading by name
