@@ -52,7 +52,7 @@ def read_recipe_config(path: str) -> dict:
     if raw.get("chunked_logits", True) is not True:
         raise ValueError(f"--config {path!r}: chunked_logits=false plans TRL 1.12's forwards; trl_ext always computes "
                          "the logits of the response positions only and log-probs in chunks: set it to true.")
-    from trl_ext.models import LOGPROB_CHUNK
+    from .models import LOGPROB_CHUNK
 
     if raw.get("logits_chunk_size", LOGPROB_CHUNK) != LOGPROB_CHUNK:
         raise ValueError(f"--config {path!r}: logits_chunk_size={raw['logits_chunk_size']}, but trl_ext takes "
@@ -278,7 +278,7 @@ def load_model(what: str, name: str, flag: str, model_class, plan: PlanConfig, s
     bitsandbytes' CPU repacking of 4-bit weights off (it breaks LoRA gradients; trl_ext.models)."""
     import torch
 
-    from trl_ext.models import disable_bnb_cpu_repack
+    from .models import disable_bnb_cpu_repack
 
     kwargs.update(dtype=weights_dtype(plan), attn_implementation=script_args.attn_implementation,
                   trust_remote_code=script_args.trust_remote_code)
@@ -325,7 +325,7 @@ def build_models(script_args, args: PPOConfig, plan: PlanConfig, tokenizer, rewa
                                              "--reward_tokenizer_path"))
 
     if plan.layout == "shared":
-        from trl_ext.models import build_shared_base
+        from .models import build_shared_base
 
         base = load_model("base model", name, "--model_name_or_path", AutoModelForCausalLM, plan, script_args)
         shared = build_shared_base(base, policy_lora=lora, critic_lora=lora, reward_adapter=script_args.reward_adapter,

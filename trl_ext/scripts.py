@@ -2,11 +2,12 @@
 
     from trl import ModelConfig
     from trl_ext import PPOConfig
-    from trl_ext.scripts import load_tokenizer, parse_args, run_summary
+    from trl_ext.scripts import CPU_DEFAULTS, load_tokenizer, parse_args
 
-    script_args, args, model_args = parse_args((ScriptArguments, PPOConfig, ModelConfig), RECIPE_DEFAULTS)
+    script_args, args, model_args = parse_args((ScriptArguments, PPOConfig, ModelConfig), dict(CPU_DEFAULTS, ...))
 
-- `parse_args`: TRL's `TrlParser` (every field a flag, `--config run.yaml`), with the recipe's defaults under both.
+- `parse_args`: TRL's `TrlParser` (every field a flag, `--config run.yaml`), with the recipe's defaults under both;
+  `CPU_DEFAULTS` / `LORA_DEFAULTS`: what the short CPU recipes set.
 - `hub_load` / `HubUnavailableError`: "the hub is unreachable and NAME is not cached" or "no such repository" as one
   message naming what failed, the flag and the fixes. transformers and datasets say this in a traceback whose last
   line often names neither (datasets: `ConnectionError: Couldn't reach ...`; transformers: an `OSError` about a
