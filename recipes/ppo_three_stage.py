@@ -33,7 +33,6 @@ minute:
 
 from __future__ import annotations
 
-import math
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -157,8 +156,7 @@ def main(argv: list[str] | None = None) -> dict:
         torch.set_num_threads(s.num_threads)
     out = Path(args.output_dir)
     out.mkdir(parents=True, exist_ok=True)
-    removed = clear_run_files(out, RUN_FILES)
-    if removed:
+    if removed := clear_run_files(out, RUN_FILES):
         print(f"[three-stage] removed {', '.join(removed)} of an earlier run in {out}", flush=True)
     model_path = model_args.model_name_or_path or str(smollm2_path())  # the first call converts the GGUF file (~20 s)
     tokenizer = load_tokenizer(model_path)  # SmolLM2 pads with its EOS token <|im_end|>
@@ -172,10 +170,9 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)
     sampled, pairs = preference_data(policy, tokenizer, prompts, K, args, vader_reward, s.preference_margin, s.pairing,
                                      s.sample_batch_size)
+    columns = ("prompt", "chosen", "rejected", "gold_chosen", "gold_rejected")
     for split, split_pairs in pairs.items():
-        write_jsonl(out / PAIRS_FILE.format(split=split), [{k: p[k] for k in ("prompt", "chosen", "rejected",
-                                                                             "gold_chosen", "gold_rejected")}
-                                                           for p in split_pairs])
+        write_jsonl(out / PAIRS_FILE.format(split=split), [{k: p[k] for k in columns} for p in split_pairs])
     rows = sampled["train"]["rows"] + sampled["test"]["rows"]
     stopped_rate, gold_mean = sum(r["stopped"] for r in rows) / len(rows), sum(r["gold"] for r in rows) / len(rows)
     stage_s["1_preferences"] = time.time() - t0
@@ -190,10 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
     reward_model.save_pretrained(out / RM_DIR)
     rm_tokenizer.save_pretrained(out / RM_DIR)
     write_jsonl(out / RM_LOG_FILE, rm_log)
-    rm = {"rm_steps": len(rm_log), "rm_first_loss": float(rm_log[0]["loss"]), "rm_last_loss": float(rm_log[-1]["loss"]),
-          "rm_trl_eval_accuracy": float(trl_eval.get("eval_accuracy", math.nan)),
-          "rm_trl_eval_loss": float(trl_eval.get("eval_loss", math.nan)),
-          **evaluate_reward_model(reward_model, tokenizer, sampled, pairs)}
+    rm = evaluate_reward_model(reward_model, tokenizer, sampled, pairs, trl_eval, rm_log)
     stage_s["2_reward_model"] = time.time() - t0
     print(f"[three-stage] stage 2 (reward model): {len(rm_log)} RewardTrainer steps, loss {rm['rm_first_loss']:.3f} "
           f"-> {rm['rm_last_loss']:.3f}; held-out pair accuracy {rm['rm_pair_accuracy']:.3f} (read as PPO reads it; "
@@ -249,9 +243,7 @@ def main(argv: list[str] | None = None) -> dict:
         "train_score_first": train["first_score"], "train_score_last": train["last_score"],
         "train_kl_last": train["last_kl"],
         "eval_table": table, "output_dir": str(out),
-        "files": [str(out / name) for name in (PAIRS_FILE.format(split="train"), PAIRS_FILE.format(split="test"),
-                                               RM_LOG_FILE, RM_DIR, "metrics.jsonl", PLOT_FILE, "dashboard.png",
-                                               SUMMARY_FILE, "adapter_model.safetensors")
+        "files": [str(out / name) for name in RUN_FILES + (RM_DIR, "adapter_model.safetensors")
                   if (out / name).exists() or name == SUMMARY_FILE],
     }
     write_json(out / SUMMARY_FILE, summary)

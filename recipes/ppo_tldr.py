@@ -46,7 +46,7 @@ Defaults (each row is checked by tests/test_gpu_recipes.py against what the pars
 | `--prompt_truncation` | `drop` | [T] (filters them out rather than cutting them) |
 | `--eval_strategy` | `steps` | [T] `--eval_strategy steps --eval_steps 100` |
 | `--eval_steps` | `100` | [T] |
-| `--ds3_gather_for_generation` | `True` | TRL's default (see DeepSpeed ZeRO-3 below) |
+| `--ds3_gather_for_generation` | `True` | TRL's default (ZeRO-3: docs/scale-out.md) |
 | value model | a second copy of the reward model, head kept | [H] `ScalarModel.from_pretrained(rm_path)`; [T] |
 | reference policy | a frozen copy of the SFT model (with `--use_peft`: the policy with its adapter off) | [H], [T] |
 
@@ -56,21 +56,11 @@ EOS, which gives the same responses, masks and scores. [H] pads with a new `[PAD
 when the tokenizer has no pad token (trl_ext builds masks from positions, never from `== pad_token_id`, so pad == EOS
 is safe). `--critic_warmup_steps` (trl_ext) is 0, as in [H].
 
-Batch sizes for other sizes ([H] sbatch, 8 GPUs, 512 rollouts per PPO batch): Pythia-2.8B
-`--per_device_train_batch_size 4 --gradient_accumulation_steps 16 --local_rollout_forward_batch_size 32`; Pythia-6.9B
-`1 / 64 / 4` with ZeRO-3. On fewer GPUs, keep the 512-rollout batch by raising `--gradient_accumulation_steps` (1 GPU,
-1B: 32), or accept a smaller batch. For 7-8B models on one GPU: `--use_peft --load_in_4bit` (QLoRA policy; the reference
-is the policy with its adapter off); the value model stays a full, trainable copy of the reward model.
-
 Run it (see recipes/accelerate_configs/README.md for every launch mode):
 
     python recipes/ppo_tldr.py --output_dir runs/ppo-tldr                                  # one GPU
     accelerate launch --config_file recipes/accelerate_configs/deepspeed_zero2.yaml recipes/ppo_tldr.py \\
         --output_dir runs/ppo-tldr                                                          # 8 GPUs, ZeRO-2
-
-DeepSpeed ZeRO-3: generation needs whole weights, and `--ds3_gather_for_generation` (default True) gathers them on each
-GPU for the length of a rollout; set `--ds3_gather_for_generation False` when the model does not fit on one GPU
-(generation then runs sharded, much slower).
 
 Arguments: TRL's `ScriptArguments` (the dataset), `ModelConfig` (the tokenizer's `--model_name_or_path`, `--dtype`,
 `--use_peft` with `--lora_r`/`--lora_alpha`/..., `--load_in_4bit`; turned into configs by TRL's `get_peft_config`
@@ -82,11 +72,8 @@ Models and data by name come from the Hugging Face Hub; local folders and data f
 a `save_to_disk` folder). Offline and not cached, the recipe stops with one message naming what failed and the fixes
 (`trl_ext.scripts.hub_load`).
 
-It writes to `--output_dir`: the policy (or its LoRA adapter), the tokenizer, metrics.jsonl and samples.jsonl
-(always; `--report_to wandb` or `tensorboard` adds a tracker, the recipe's default is `none`). Mixed precision comes
-from `--bf16` (unset: bf16 wherever the GPU supports it), which the configs' `mixed_precision: bf16` matches.
-Arguments are parsed before any model loads, so under a DeepSpeed launch `TrainingArguments` has already set up ZeRO-3,
-which then partitions each model as it loads (untested: no GPU was available, see recipes/accelerate_configs/README.md).
+It writes to `--output_dir`: the policy (or its LoRA adapter), the tokenizer, metrics.jsonl and samples.jsonl. Other
+model sizes, fewer GPUs, ZeRO-3 and mixed precision: docs/scale-out.md.
 """
 
 from __future__ import annotations

@@ -231,10 +231,12 @@ def preference_data(policy, tokenizer, prompts: dict[str, list[str]], K: int, ar
     return sampled, {split: preference_pairs(sampled[split], K, margin, pairing, split) for split in sampled}
 
 
-def evaluate_reward_model(reward_model, tokenizer, sampled: dict, pairs: dict) -> dict:
+def evaluate_reward_model(reward_model, tokenizer, sampled: dict, pairs: dict, trl_eval: dict | None = None,
+                          rm_log: list[dict] | None = None) -> dict:
     """The reward model on the samples as PPO's scorer reads them (the policy's token ids, the score at the last real
     token): pair accuracy on the "test" and "train" pairs, and Pearson's r of RM and gold scores on the "test"
-    samples."""
+    samples; with `train_reward_model`'s eval metrics and log, also TRL's eval accuracy and loss and the first and last
+    training loss."""
     import torch
 
     from .rewards import score_responses
@@ -243,6 +245,13 @@ def evaluate_reward_model(reward_model, tokenizer, sampled: dict, pairs: dict) -
     with torch.no_grad():
         scores = {split: score_responses(reward_model, tokenizer, *(d[k].to(device) for k in (
             "queries", "query_mask", "responses", "response_mask"))).tolist() for split, d in sampled.items()}
-    return {"rm_pair_accuracy": pair_accuracy(scores["test"], pairs["test"]),
-            "rm_train_pair_accuracy": pair_accuracy(scores["train"], pairs["train"]),
-            "rm_gold_pearson": pearson(scores["test"], [r["gold"] for r in sampled["test"]["rows"]])}
+    out = {"rm_pair_accuracy": pair_accuracy(scores["test"], pairs["test"]),
+           "rm_train_pair_accuracy": pair_accuracy(scores["train"], pairs["train"]),
+           "rm_gold_pearson": pearson(scores["test"], [r["gold"] for r in sampled["test"]["rows"]])}
+    if trl_eval is not None:
+        out.update(rm_trl_eval_accuracy=float(trl_eval.get("eval_accuracy", math.nan)),
+                   rm_trl_eval_loss=float(trl_eval.get("eval_loss", math.nan)))
+    if rm_log:
+        out.update(rm_steps=len(rm_log), rm_first_loss=float(rm_log[0]["loss"]),
+                   rm_last_loss=float(rm_log[-1]["loss"]))
+    return out
