@@ -38,8 +38,9 @@ from pathlib import Path
 from trl import ModelConfig, get_peft_config
 
 from trl_ext import PPOConfig
+from trl_ext.callbacks import append_jsonl
 from trl_ext.report import run_summary
-from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, clear_run_files, write_json, write_jsonl
+from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, clear_run_files, write_json
 from trl_ext.scripts import parse_args as parse_recipe_args
 
 SAMPLES_FILE, SUMMARY_FILE = "samples_before_after.jsonl", "summary.json"
@@ -98,17 +99,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfi
     return parse_recipe_args((ScriptArguments, PPOConfig, ModelConfig), RECIPE_DEFAULTS, argv)
 
 
-def prompts(split: str, instruction: str, repeats: int = 1):
-    """A split of the shipped prompts with the instruction, as a conversational dataset, each prompt `repeats` times
-    in a row."""
-    from datasets import Dataset
-
-    from trl_ext.sentiment import load_prompts
-
-    texts = [p + instruction for p in load_prompts(split) for _ in range(repeats)]
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t in texts]})
-
-
 def format_summary(s: dict) -> str:
     return "\n".join([
         f"[quickstart] done: {s['steps']} PPO steps in {s['train_s']:.0f} s of training ({s['wall_s']:.0f} s in all)",
@@ -135,7 +125,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trl_ext.embedded import smollm2_path
     from trl_ext.models import freeze_backbone
     from trl_ext.scripts import load_tokenizer
-    from trl_ext.sentiment import vader_reward
+    from trl_ext.sentiment import prompt_dataset, vader_reward
 
     set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
     model_path = model_args.model_name_or_path or str(smollm2_path())  # the first call converts the GGUF (~20 s)
@@ -150,9 +140,9 @@ def main(argv: list[str] | None = None) -> dict:
         model=policy,
         ref_model=None,  # the policy with its adapter disabled is the reference
         reward_model=vader_reward,
-        train_dataset=prompts("train", script_args.instruction),
+        train_dataset=prompt_dataset("train", script_args.instruction),
         value_model=value_model,
-        eval_dataset=prompts("test", script_args.instruction, script_args.eval_repeats),
+        eval_dataset=prompt_dataset("test", script_args.instruction, script_args.eval_repeats),
         peft_config=get_peft_config(model_args),
     )
     main_process, out = trainer.is_world_process_zero(), Path(args.output_dir)
@@ -173,8 +163,9 @@ def main(argv: list[str] | None = None) -> dict:
     if summary["steps"] and not any("eval/win_rate_vs_ref" in e for e in trainer.state.log_history):
         # evaluation switched off on the command line (--eval_strategy no): evaluate once now
         summary.update({k: v for k, v in run_summary([trainer.evaluate_policy()]).items() if k.startswith("eval")})
-    samples = trainer.paired_completions(prompts("test", script_args.instruction), seed=args.seed + 1)
-    held_out = [row["prompt"][0]["content"] for row in prompts("test", script_args.instruction)]
+    held_out_prompts = prompt_dataset("test", script_args.instruction)
+    samples = trainer.paired_completions(held_out_prompts, seed=args.seed + 1)
+    held_out = [row["prompt"][0]["content"] for row in held_out_prompts]
     for record, prompt in zip(samples, held_out):
         record["prompt"] = prompt
         record["reference_score"], record["policy_score"] = vader_reward([prompt] * 2, [record["reference"],
@@ -191,7 +182,7 @@ def main(argv: list[str] | None = None) -> dict:
     })
     if main_process:
         tokenizer.save_pretrained(out)
-        write_jsonl(out / SAMPLES_FILE, [{k: r[k] for k in ("prompt", "reference", "reference_score", "policy",
+        append_jsonl(out / SAMPLES_FILE, [{k: r[k] for k in ("prompt", "reference", "reference_score", "policy",
                                                              "policy_score")} for r in samples])
         if script_args.write_report:
             from trl_ext.report import report

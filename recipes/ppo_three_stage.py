@@ -145,11 +145,12 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, set_seed
 
     from trl_ext import PPOTrainer
+    from trl_ext.callbacks import append_jsonl
     from trl_ext.embedded import smollm2_path
     from trl_ext.models import freeze_backbone
     from trl_ext.preferences import evaluate_reward_model, preference_data, train_reward_model
     from trl_ext.report import format_proxy_gold_table, plot_proxy_vs_gold, proxy_gold_table, run_summary
-    from trl_ext.scripts import clear_run_files, load_tokenizer, write_json, write_jsonl
+    from trl_ext.scripts import clear_run_files, load_tokenizer, write_json
     from trl_ext.sentiment import load_prompts, prompt_dataset, vader_reward
 
     if s.num_threads:
@@ -172,7 +173,7 @@ def main(argv: list[str] | None = None) -> dict:
                                      s.sample_batch_size)
     columns = ("prompt", "chosen", "rejected", "gold_chosen", "gold_rejected")
     for split, split_pairs in pairs.items():
-        write_jsonl(out / PAIRS_FILE.format(split=split), [{k: p[k] for k in columns} for p in split_pairs])
+        append_jsonl(out / PAIRS_FILE.format(split=split), [{k: p[k] for k in columns} for p in split_pairs])
     rows = sampled["train"]["rows"] + sampled["test"]["rows"]
     stopped_rate, gold_mean = sum(r["stopped"] for r in rows) / len(rows), sum(r["gold"] for r in rows) / len(rows)
     stage_s["1_preferences"] = time.time() - t0
@@ -186,7 +187,7 @@ def main(argv: list[str] | None = None) -> dict:
                                                                       args.seed, out, model_args.lora_target_modules)
     reward_model.save_pretrained(out / RM_DIR)
     rm_tokenizer.save_pretrained(out / RM_DIR)
-    write_jsonl(out / RM_LOG_FILE, rm_log)
+    append_jsonl(out / RM_LOG_FILE, rm_log)  # (RUN_FILES were cleared at the start)
     rm = evaluate_reward_model(reward_model, tokenizer, sampled, pairs, trl_eval, rm_log)
     stage_s["2_reward_model"] = time.time() - t0
     print(f"[three-stage] stage 2 (reward model): {len(rm_log)} RewardTrainer steps, loss {rm['rm_first_loss']:.3f} "

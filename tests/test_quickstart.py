@@ -66,11 +66,11 @@ def test_prompt_dataset_is_conversational():
 
 def test_recipe_prompts_carry_the_instruction_and_repeat_each_prompt_in_a_row():
     test = sentiment.load_prompts("test")
-    ds = quickstart.prompts("test", " Answer in one sentence.", repeats=3)
+    ds = sentiment.prompt_dataset("test", " Answer in one sentence.", repeats=3)
     assert len(ds) == 48
     contents = [row["prompt"][0]["content"] for row in ds]
     assert contents[:6] == [test[0] + " Answer in one sentence."] * 3 + [test[1] + " Answer in one sentence."] * 3
-    assert [row["prompt"][0]["content"] for row in quickstart.prompts("train", "")] == sentiment.load_prompts("train")
+    assert [row["prompt"][0]["content"] for row in sentiment.prompt_dataset("train")] == sentiment.load_prompts("train")
 
 
 # ---------------------------------------------------------------------------------------------------- VADER reward
@@ -226,6 +226,7 @@ def test_defaults_and_overrides_on_the_command_line():
     # LoRA target modules: TRL's space-separated list, or the comma-separated form the recipes took before
     for flags in (["--lora_target_modules", "q_proj", "v_proj"], ["--lora_target_modules", "q_proj,v_proj"]):
         assert quickstart.parse_args(flags)[2].lora_target_modules == ["q_proj", "v_proj"], flags
+    assert quickstart.parse_args(["--lora_target_modules", "q_proj"])[2].lora_target_modules == ["q_proj"]
     assert quickstart.parse_args([])[2].lora_target_modules == "all-linear"
 
 

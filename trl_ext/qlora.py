@@ -144,19 +144,27 @@ def lora_targets(value) -> str | list[str]:
     return list(value)
 
 
-def quantization_config(plan: PlanConfig):
-    """BitsAndBytesConfig of the plan's base_dtype (None for an unquantized base)."""
-    import torch
-    from transformers import BitsAndBytesConfig
+def model_config(plan: PlanConfig, lora_alpha: int | None = None, lora_dropout: float = 0.0):
+    """The plan as TRL's `ModelConfig`, for TRL's `get_quantization_config` and `get_peft_config`: 4-bit
+    (`base_dtype` nf4/fp4, computing in `compute_dtype`) or 8-bit quantization, and a LoRA adapter of the plan's rank
+    and target modules (alpha 2 x r unless given)."""
+    from trl import ModelConfig
 
-    compute = getattr(torch, TORCH_DTYPES[plan.compute_dtype])
-    if plan.base_dtype in ("nf4", "fp4"):
-        return BitsAndBytesConfig(load_in_4bit=True, bnb_4bit_quant_type=plan.base_dtype,
-                                  bnb_4bit_use_double_quant=plan.bnb_4bit_use_double_quant,
-                                  bnb_4bit_compute_dtype=compute)
-    if plan.base_dtype == "int8":
-        return BitsAndBytesConfig(load_in_8bit=True)
-    return None
+    config = ModelConfig(load_in_4bit=plan.base_dtype in ("nf4", "fp4"), load_in_8bit=plan.base_dtype == "int8",
+                         bnb_4bit_quant_type=plan.base_dtype if plan.base_dtype in ("nf4", "fp4") else "nf4",
+                         use_bnb_nested_quant=plan.bnb_4bit_use_double_quant, dtype=TORCH_DTYPES[plan.compute_dtype],
+                         use_peft=True, lora_r=plan.lora_r, lora_alpha=lora_alpha or 2 * plan.lora_r,
+                         lora_dropout=lora_dropout, lora_task_type="CAUSAL_LM")
+    # ModelConfig turns a one-name list into the bare name, which peft reads as a pattern for the whole module path
+    config.lora_target_modules = lora_targets(plan.lora_target_modules)
+    return config
+
+
+def quantization_config(plan: PlanConfig):
+    """BitsAndBytesConfig of the plan's base_dtype (None for an unquantized base): TRL's `get_quantization_config`."""
+    from trl import get_quantization_config
+
+    return get_quantization_config(model_config(plan))
 
 
 def weights_dtype(plan: PlanConfig):
@@ -168,12 +176,11 @@ def weights_dtype(plan: PlanConfig):
 
 
 def lora_config(plan: PlanConfig, lora_alpha: int | None = None, lora_dropout: float = 0.0):
-    """The policy's LoraConfig: the plan's rank and target modules, alpha 2 x r unless given."""
-    from peft import LoraConfig
+    """The policy's LoraConfig: the plan's rank and target modules, alpha 2 x r unless given (TRL's
+    `get_peft_config`)."""
+    from trl import get_peft_config
 
-    return LoraConfig(r=plan.lora_r, lora_alpha=lora_alpha or 2 * plan.lora_r, lora_dropout=lora_dropout,
-                      target_modules=lora_targets(plan.lora_target_modules), task_type="CAUSAL_LM")
-
+    return get_peft_config(model_config(plan, lora_alpha, lora_dropout))
 
 
 # ------------------------------------------------------------------------------------------------ memory plan

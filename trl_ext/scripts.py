@@ -14,7 +14,7 @@
   `config.json`), so the recipes wrap their loads with it.
 - `load_tokenizer`, `load_prompt_splits`: a left-padding tokenizer with a pad token; prompt datasets from the hub, a
   data file, a folder of split files or a `save_to_disk` folder.
-- `clear_run_files`, `write_jsonl`: a run folder that holds one run.
+- `clear_run_files`, `write_json`: a run folder that holds one run (JSON lines: `trl_ext.callbacks.append_jsonl`).
 """
 
 from __future__ import annotations
@@ -66,10 +66,11 @@ def parse_args(dataclass_types: tuple, defaults: dict, argv: list[str] | None = 
     parser.set_defaults(**defaults)
     parsed = tuple(parser.parse_args_and_config(args=argv))
     for instance in parsed:
-        # ModelConfig takes `--lora_target_modules q_proj v_proj`; the recipes took "q_proj,v_proj", which peft
-        # would read as one module-name pattern matching nothing: split it
+        # ModelConfig takes `--lora_target_modules q_proj v_proj` and turns a single name into a bare string; the
+        # recipes took "q_proj,v_proj". peft reads a string as one pattern for the whole module path, which matches
+        # nothing: make it a list of names ("all-linear" stays)
         targets = getattr(instance, "lora_target_modules", None)
-        if isinstance(targets, str) and "," in targets:
+        if isinstance(targets, str) and targets != "all-linear":
             instance.lora_target_modules = [t.strip() for t in targets.split(",") if t.strip()]
     return parsed
 
@@ -216,24 +217,17 @@ def clear_run_files(output_dir, names: Iterable[str]) -> list[str]:
     return removed
 
 
-def write_jsonl(path, records: Iterable[dict]) -> None:
-    with open(path, "w", encoding="utf-8") as f:
-        for record in records:
-            f.write(json.dumps(record, ensure_ascii=False) + "\n")
-
-
 def write_json(path, record: dict) -> None:
-    """`record` as JSON, non-finite floats as null."""
-    import math
+    """`record` as JSON, nested dicts and lists included, its values as metrics.jsonl writes them (non-finite floats
+    as null: `trl_ext.callbacks._jsonable`)."""
+    from .callbacks import _jsonable
 
     def clean(value):
-        if isinstance(value, float) and not math.isfinite(value):
-            return None
         if isinstance(value, dict):
             return {k: clean(v) for k, v in value.items()}
-        if isinstance(value, list):
+        if isinstance(value, (list, tuple)):
             return [clean(v) for v in value]
-        return value
+        return _jsonable(value)
 
     with open(path, "w", encoding="utf-8") as f:
-        json.dump(clean(record), f, indent=2, default=str)
+        json.dump(clean(record), f, indent=2)

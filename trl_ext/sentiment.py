@@ -28,11 +28,13 @@ def load_prompts(split: str = "train") -> list[str]:
     return [row["prompt"] for row in rows if row["split"] == split]
 
 
-def prompt_dataset(split: str = "train"):
-    """The split as a conversational prompt dataset: one user message per row."""
+def prompt_dataset(split: str = "train", instruction: str = "", repeats: int = 1):
+    """The split as a conversational prompt dataset: one user message per row, the prompt with `instruction`
+    appended, each prompt `repeats` times in a row."""
     from datasets import Dataset
 
-    return Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in load_prompts(split)]})
+    texts = [p + instruction for p in load_prompts(split) for _ in range(repeats)]
+    return Dataset.from_dict({"prompt": [[{"role": "user", "content": t}] for t in texts]})
 
 
 def vader_scores(texts: list[str]) -> list[float]:
