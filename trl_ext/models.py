@@ -279,6 +279,15 @@ class PolicyAndValueWrapper(nn.Module):
         self.value_model = value_model
         self.gradient_checkpointing_kwargs: dict | None = None
 
+    @property
+    def _no_split_modules(self) -> list[str]:
+        """The policy's and the value model's layer classes: FSDP's TRANSFORMER_BASED_WRAP shards each such layer on
+        its own (accelerate reads this when the config names no class)."""
+        names = []
+        for module in (self.policy, self.value_model):
+            names += [n for n in getattr(_underlying(module), "_no_split_modules", None) or [] if n not in names]
+        return names
+
     def policy_parameters(self) -> list[nn.Parameter]:
         return list(self.policy.parameters())
 

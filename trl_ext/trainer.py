@@ -14,6 +14,7 @@ Shapes: B = rollouts, Q = query length (left-padded), T = response length.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -34,7 +35,7 @@ from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints, 
 from transformers.utils import is_peft_available
 from trl.models.utils import unwrap_model_for_generation
 
-from ._trl import OnlineTrainerState, PPOTrainerBase, create_reference_model
+from ._trl import OnlineTrainerState, PPOTrainerBase
 from .alarms import AlarmCallback
 from .callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
 from .checkpoint import TRL_EXT_STATE, VALUE_MODEL_DIR, check_compatible, load_adapter, load_weights
@@ -59,6 +60,15 @@ from .diagnostics import (
     rollout_metrics,
     source_metrics,
     update_metrics,
+)
+from .engines import (
+    clip_role_grads_,
+    deepspeed_batch_config,
+    finite_or_inf,
+    frozen_groups,
+    fsdp2_unsharded,
+    group_roles,
+    reference_copy,
 )
 from .models import (
     LOGPROB_CHUNK,
@@ -89,6 +99,22 @@ def _exact_div(a: int, b: int, what: str) -> int:
     if a % b:
         raise ValueError(f"{what}: {a} is not divisible by {b}; choose sizes so that it is.")
     return a // b
+
+
+def _numel(param: torch.Tensor) -> int:
+    """A parameter's whole size, also when ZeRO-3 has partitioned it (FSDP2's DTensors report theirs)."""
+    return getattr(param, "ds_numel", param.numel())
+
+
+def whole_weights(method):
+    """Run a trainer method that calls the policy directly (generation, the reference through the disabled adapter,
+    evaluation) with FSDP2's parameters gathered (`engines.fsdp2_unsharded`; a no-op elsewhere). Under FSDP2 every
+    process must call it."""
+    @functools.wraps(method)
+    def run(self, *args, **kwargs):
+        with fsdp2_unsharded(self.model):
+            return method(self, *args, **kwargs)
+    return run
 
 
 def dataset_columns(batch: dict) -> dict:
@@ -150,6 +176,8 @@ class PPOTrainer(PPOTrainerBase):
         self._setup_trainer_internals()
         self._setup_data(train_dataset, eval_dataset, data_collator)
         self._place_frozen_models()
+        # each process samples its own responses; seeded last, as DeepSpeed's engine set-up may draw random numbers
+        torch.manual_seed(self.local_seed)
         # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
         self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
         self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
@@ -260,7 +288,7 @@ class PPOTrainer(PPOTrainerBase):
         elif self.is_peft_model:
             self.ref_model = None  # the policy with its adapter disabled
         else:
-            self.ref_model = create_reference_model(self.policy_model)
+            self.ref_model = reference_copy(self.policy_model)  # (TRL's create_reference_model; ZeRO-3 aware)
 
     def _setup_batches_and_accelerator(self, optimizers) -> None:
         """TRL's batch definitions, the Accelerator (one optimizer step per minibatch, the mixed precision), β."""
@@ -387,8 +415,17 @@ class PPOTrainer(PPOTrainerBase):
         if self.shared is not None and accelerator.num_processes > 1:
             raise ValueError(f"A shared-base model trains in one process; this run has {accelerator.num_processes}. "
                              "Launch one process, or give the policy, critic and reward models separately.")
+        wrapper = self.unwrapped
+        self.group_roles = group_roles(self.optimizer, wrapper.policy_parameters(), wrapper.value_parameters())
+        if self.is_deepspeed_enabled:
+            deepspeed_batch_config(accelerator.state.deepspeed_plugin.deepspeed_config,
+                                   args.per_device_train_batch_size, accelerator.gradient_accumulation_steps,
+                                   accelerator.num_processes, args.max_grad_norm)
+            if args.critic_warmup_steps and "mixed" in self.group_roles:
+                raise ValueError("critic_warmup_steps under DeepSpeed freezes the policy's optimizer groups, but a "
+                                 "param group of your optimizer holds both policy and value parameters: give them "
+                                 "separate groups, or let trl_ext build the optimizer.")
         self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
-        torch.manual_seed(self.local_seed)  # each process samples its own responses
         self.eval_dataloader = None
         if eval_dataset is not None:
             # each process evaluates its own share of the prompts, in order; its own generator so that iterating
@@ -455,18 +492,21 @@ class PPOTrainer(PPOTrainerBase):
         return reward_model
 
     def create_optimizer(self, model=None):
-        """Trainer's optimizer; with `critic_learning_rate`, the value model's parameters get their own groups."""
+        """Trainer's optimizer, each of its parameter groups split into the policy's and the value model's (tagged
+        "role"; the value groups at `critic_learning_rate` if set): critic warmup under DeepSpeed freezes the policy's
+        groups (trl_ext/engines.py)."""
         optimizer = super().create_optimizer(model)
         critic_lr = self.args.critic_learning_rate
-        if critic_lr is not None:
-            value_ids = {id(p) for p in self.accelerator.unwrap_model(self.model).value_parameters()}
-            for group in list(optimizer.param_groups):
-                critic_params = [p for p in group["params"] if id(p) in value_ids]
-                if critic_params:
-                    group["params"] = [p for p in group["params"] if id(p) not in value_ids]
-                    optimizer.add_param_group({**{k: v for k, v in group.items() if k != "params"},
-                                               "params": critic_params, "lr": critic_lr})
-            optimizer.param_groups[:] = [g for g in optimizer.param_groups if g["params"]]
+        value_ids = {id(p) for p in self.accelerator.unwrap_model(self.model).value_parameters()}
+        groups = []
+        for group in optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for role in ("policy", "value"):
+                params = [p for p in group["params"] if (id(p) in value_ids) == (role == "value")]
+                if params:
+                    lr = critic_lr if role == "value" and critic_lr is not None else settings["lr"]
+                    groups.append({**settings, "params": params, "lr": lr, "role": role})
+        optimizer.param_groups[:] = groups
         return optimizer
 
     @property
@@ -538,6 +578,7 @@ class PPOTrainer(PPOTrainerBase):
 
     # ------------------------------------------------------------------------------------------------ rollout
     @torch.no_grad()
+    @whole_weights
     def rollout(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None = None) -> Rollout:
         """Steps 1-7 of a PPO iteration on a batch of left-padded prompts: (B, Q) ids and (B, Q) bool mask.
         extra_columns: other dataset columns of these prompts (lists), passed to reward functions."""
@@ -604,26 +645,39 @@ class PPOTrainer(PPOTrainerBase):
                        sampler_logprobs=sampler_logprobs.to(logprobs.device) * response_mask)
 
     # ------------------------------------------------------------------------------------------------ update
+    def _backward(self, loss: torch.Tensor) -> None:
+        """accelerate's backward, except under DeepSpeed: accelerate's DeepSpeed backward also steps the engine,
+        and trl_ext clips each role's gradients before that step (`_optimizer_step`)."""
+        if self.is_deepspeed_enabled:
+            self.model.set_gradient_accumulation_boundary(self.accelerator.sync_gradients)
+            self.model.backward(loss)  # divides by the engine's accumulation steps, as accelerate does
+        else:
+            self.accelerator.backward(loss)
+
     def _clip_gradients(self, stats: UpdateStats, critic_only: bool) -> None:
         """Before an optimizer step: drop the policy's gradients in critic warmup; then clip the policy's and the
         critic's gradients each to `max_grad_norm` on its own (one joint norm lets the critic's gradient throttle the
-        policy's step), logging each pre-clip norm. Under fp16 the gradients are unscaled first."""
-        args, wrapper = self.args, self.unwrapped
-        if critic_only:
-            for p in wrapper.policy_parameters():
-                p.grad = None  # torch optimizers skip parameters without a gradient
-        if self.is_deepspeed_enabled:  # DeepSpeed clips inside its engine, with one norm over all parameters
-            norm = float(self.accelerator.clip_grad_norm_(self.model.parameters(), args.max_grad_norm) or 0.0)
-            stats.add_step("policy/grad_norm", norm)
-            stats.add_step("val/grad_norm", norm)
-            return
-        self.accelerator.unscale_gradients()
-        max_norm = args.max_grad_norm if args.max_grad_norm is not None and args.max_grad_norm > 0 else math.inf
-        for key, params in (("policy/grad_norm", wrapper.policy_parameters()),
-                            ("val/grad_norm", wrapper.value_parameters())):
-            with_grad = [p for p in params if p.grad is not None]
-            norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm) if with_grad else torch.zeros(())
-            stats.add_step(key, norm.item())
+        policy's step), logging each pre-clip norm. Under fp16 the gradients are unscaled first (DeepSpeed: the norm
+        is divided by its loss scale, and the engine unscales when it steps)."""
+        wrapper, deepspeed = self.unwrapped, self.is_deepspeed_enabled
+        max_norm = finite_or_inf(self.args.max_grad_norm)
+        loss_scale = float(getattr(self.model.optimizer, "loss_scale", 1.0)) if deepspeed else 1.0
+        if not deepspeed:
+            self.accelerator.unscale_gradients()
+        for key, params, drop in (("policy/grad_norm", wrapper.policy_parameters(), critic_only),
+                                  ("val/grad_norm", wrapper.value_parameters(), False)):
+            stats.add_step(key, clip_role_grads_(params, max_norm, deepspeed, loss_scale, drop))
+
+    def _optimizer_step(self, critic_only: bool) -> None:
+        """After `_clip_gradients`: the optimizer step (under DeepSpeed the engine's, with the policy's groups frozen
+        in critic warmup: see trl_ext/engines.py)."""
+        if self.is_deepspeed_enabled:
+            policy_groups = [i for i, role in enumerate(self.group_roles) if role == "policy"]
+            with frozen_groups(self.model.optimizer, policy_groups, critic_only):
+                self.model.step()
+        else:
+            self.optimizer.step()
+            self.optimizer.zero_grad()
 
     def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> UpdateStats:
         """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches (gradient accumulation over
@@ -662,8 +716,7 @@ class PPOTrainer(PPOTrainerBase):
                         pg_stats, vf_stats, entropy = losses(inputs, micro, critic_only, num_tokens[k], loss_scale)
                         if accelerator.sync_gradients:
                             self._clip_gradients(stats, critic_only)
-                        self.optimizer.step()
-                        self.optimizer.zero_grad()
+                            self._optimizer_step(critic_only)
                     # before any optimizer step of this iteration (the first minibatch) the ratio must be 1.0
                     stats.add(micro.response_mask.sum(), first_minibatch=epoch == 0 and mini_start == 0, **{
                         "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
@@ -703,7 +756,7 @@ class PPOTrainer(PPOTrainerBase):
         # in warmup the policy term is kept at weight 0 so every parameter still gets a gradient (DDP needs that);
         # those zeros are dropped before the optimizer step
         loss = (0.0 if critic_only else 1.0) * pg_loss + self.args.vf_coef * vf_loss
-        self.accelerator.backward(loss * loss_scale)
+        self._backward(loss * loss_scale)
         return pg_stats, vf_stats, entropy
 
     def _shared_losses(self, inputs: dict, micro: Rollout, critic_only: bool, num_tokens, loss_scale: float):
@@ -717,11 +770,11 @@ class PPOTrainer(PPOTrainerBase):
             pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, num_tokens)
             del logits
             if not critic_only:
-                self.accelerator.backward(pg_loss * loss_scale)
+                self._backward(pg_loss * loss_scale)
         with self.shared.adapter("critic"):
             values = self.model(**inputs, role="value")
             vf_loss, vf_stats = self._value_terms(values, micro, num_tokens)
-            self.accelerator.backward(self.args.vf_coef * vf_loss * loss_scale)
+            self._backward(self.args.vf_coef * vf_loss * loss_scale)
         return pg_stats, vf_stats, entropy
 
     # ------------------------------------------------------------------------------------------------ logging
@@ -815,24 +868,46 @@ class PPOTrainer(PPOTrainerBase):
 
     # ------------------------------------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
-        """Save the policy (its adapter, with peft) for inference; works under DDP (TRL 1.12 crashed there).
-        A shared base saves `policy/` and `critic/` (peft adapters) and `value_head.safetensors`."""
+        """Save the policy (its adapter, with peft) for inference, under DDP, DeepSpeed or FSDP2 (every process
+        calls this; TRL 1.12 crashed under DDP). A shared base saves `policy/` and `critic/` (peft adapters) and
+        `value_head.safetensors`."""
+        output_dir = output_dir or self.args.output_dir
         if self.shared is not None:
-            output_dir = output_dir or self.args.output_dir
             if self.accelerator.is_main_process:
                 self.shared.save_pretrained(output_dir)
                 self.processing_class.save_pretrained(output_dir)
             return
-        backup = self.model
-        self.model = self.unwrapped.policy
-        if self.is_deepspeed_enabled:
-            backup_deepspeed, self.deepspeed = self.deepspeed, self.model
+        self._save_roles(output_dir, with_value_model=False)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
+    def _save_roles(self, folder: str, with_value_model: bool) -> None:
+        """The policy into `folder` (weights, config, tokenizer, training args: `Trainer._save`) and, if asked, the
+        value model into `folder/value_model`. Under ZeRO-3 and FSDP2 the whole weights are gathered first (a
+        collective); elsewhere each process holds them."""
+        policy_state = value_state = None
+        if self._params_sharded:
+            full = self.accelerator.get_state_dict(self.model)  # the main process gets the whole weights
+            if self.accelerator.is_main_process:
+                policy_state = {k[len("policy."):]: v for k, v in full.items() if k.startswith("policy.")}
+                value_state = {k[len("value_model."):]: v for k, v in full.items() if k.startswith("value_model.")}
+        if not self.accelerator.is_main_process:
+            return
+        wrapped, self.model = self.model, self.unwrapped.policy
         try:
-            Trainer.save_model(self, output_dir, _internal_call)
+            Trainer._save(self, folder, state_dict=policy_state)
         finally:
-            self.model = backup
-            if self.is_deepspeed_enabled:
-                self.deepspeed = backup_deepspeed
+            self.model = wrapped
+        if with_value_model:
+            self.unwrapped.value_model.save_pretrained(os.path.join(folder, VALUE_MODEL_DIR), state_dict=value_state)
+
+    @property
+    def _params_sharded(self) -> bool:
+        """Parameters split over processes: DeepSpeed ZeRO-3 or FSDP."""
+        if self.is_fsdp_enabled:
+            return True
+        plugin = getattr(self.accelerator.state, "deepspeed_plugin", None)
+        return plugin is not None and plugin.zero_stage == 3
 
     def _run_settings(self) -> dict:
         """What a resumed run must share with the run that saved the checkpoint."""
@@ -843,8 +918,8 @@ class PPOTrainer(PPOTrainerBase):
             "num_ppo_epochs": args.num_ppo_epochs, "response_length": args.response_length, "seed": args.seed,
             "num_prompts": self.train_dataset_len, "kl_controller": args.kl_controller,
             "peft": self.is_peft_model,
-            "policy_trainable_parameters": sum(p.numel() for p in wrapper.policy_parameters() if p.requires_grad),
-            "value_parameters": sum(p.numel() for p in wrapper.value_parameters()),
+            "policy_trainable_parameters": sum(_numel(p) for p in wrapper.policy_parameters() if p.requires_grad),
+            "value_parameters": sum(_numel(p) for p in wrapper.value_parameters()),
         } | ({"shared_base": True} if self.shared is not None else {})
 
     def _should_evaluate(self) -> bool:
@@ -881,9 +956,11 @@ class PPOTrainer(PPOTrainerBase):
             shutil.rmtree(staging, ignore_errors=True)
             os.makedirs(staging)
         self._barrier()
-        self.save_model(staging, _internal_call=True)  # the policy (its adapter, with peft)
-        if main and self.shared is None:  # (a shared base saved its critic adapter and value head above)
-            self.unwrapped.value_model.save_pretrained(os.path.join(staging, VALUE_MODEL_DIR))
+        if self.shared is not None:  # its policy and critic adapters and value head
+            self.save_model(staging, _internal_call=True)
+        else:  # the policy (its adapter, with peft) and the value model
+            self._save_roles(staging, with_value_model=True)
+        # the optimizer and scheduler (DeepSpeed: its engine checkpoint, with the weights; FSDP2: its own files)
         self._save_optimizer_and_scheduler(staging)
         self._save_rng_state(staging)
         if main:
@@ -918,7 +995,15 @@ class PPOTrainer(PPOTrainerBase):
             saved = json.load(f)
         check_compatible(saved["settings"], self._run_settings(), checkpoint)
         wrapper = self.unwrapped
-        if self.shared is not None:
+        if self.is_deepspeed_enabled:  # the engine's checkpoint: weights, fp32 master weights, optimizer state
+            from transformers.integrations.deepspeed import deepspeed_load_checkpoint
+
+            deepspeed_load_checkpoint(self.model, checkpoint)
+        elif self.is_fsdp_enabled:  # FSDP's own files (Trainer's _save_optimizer_and_scheduler wrote them)
+            from accelerate.utils import load_fsdp_model
+
+            load_fsdp_model(self.accelerator.state.fsdp_plugin, self.accelerator, self.model, checkpoint)
+        elif self.shared is not None:
             self.shared.load_trained(checkpoint)
         else:
             if self.is_peft_model:
@@ -979,6 +1064,7 @@ class PPOTrainer(PPOTrainerBase):
         return [a for cb in self.callback_handler.callbacks if isinstance(cb, AlarmCallback) for a in cb.monitor.raised]
 
     @torch.no_grad()
+    @whole_weights
     def evaluate_policy(self) -> dict[str, float]:
         """Held-out evaluation on `eval_dataset`: completions of the policy and of the reference for each prompt,
         scored by the training reward and, if given, by `eval_reward` (a gold scorer the policy never trains on).
@@ -1011,6 +1097,7 @@ class PPOTrainer(PPOTrainerBase):
 
     # ------------------------------------------------------------------------------------------------ samples
     @torch.no_grad()
+    @whole_weights
     def paired_completions(self, dataset, seed: int, batch_size: int | None = None) -> list[dict]:
         """For each prompt of `dataset` (any prompt dataset the trainer takes: a `prompt` column of text or chat
         messages, or `input_ids`), one completion of the reference ("before" training) and one of the policy, drawn
@@ -1035,6 +1122,7 @@ class PPOTrainer(PPOTrainerBase):
         return records
 
     @torch.no_grad()
+    @whole_weights
     def generate_completions(self, sampling: bool = False):
         """Print a few completions of `eval_dataset` prompts with their scores (the first batch only if `sampling`).
         Drawn from an RNG stream of their own, so calling this never changes the training run."""

@@ -20,11 +20,13 @@ model's weights (flattened) and the logged metrics of each step.
 from __future__ import annotations
 
 import argparse
+import copy
 import os
 import zlib
 from contextlib import contextmanager
 
 import torch
+from peft import LoraConfig
 from transformers import TrainerCallback
 
 import trl_ext.trainer as trainer_module
@@ -79,7 +81,23 @@ class StopAt(TrainerCallback):
             control.should_training_stop = True
 
 
-def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: float = 0.0, **overrides) -> PPOTrainer:
+_WHOLE_MODELS: dict = {}
+
+
+def whole_models(tok, eos_bias: float) -> tuple:
+    """Copies of the policy (EOS logit bias 0 or 2), reward and value models, all built at the first call, before any
+    PPOConfig exists: once one does under a ZeRO-3 launch, transformers builds every model partitioned (zero.Init),
+    with other random weights."""
+    if not _WHOLE_MODELS:
+        for bias in (0.0, 2.0):
+            _WHOLE_MODELS[bias] = (tiny_causal_lm(tok, seed=0, token_bias={tok.eos_token_id: bias} if bias else None),
+                                   tiny_scalar_model(tok, seed=2), tiny_scalar_model(tok, seed=1))
+    return tuple(copy.deepcopy(m) for m in _WHOLE_MODELS[eos_bias])
+
+
+def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: float = 0.0, lora: bool = False,
+          **overrides) -> PPOTrainer:
+    """The models are whole (under ZeRO-3 the engine partitions them when the trainer prepares them)."""
     tok = tiny_tokenizer()
     kwargs = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
                   num_mini_batches=1, num_ppo_epochs=2, total_episodes=steps * GLOBAL_BATCH, response_length=6,
@@ -87,19 +105,31 @@ def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: flo
                   report_to=[], save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True,
                   logging_steps=1, seed=5, gradient_checkpointing=False)
     kwargs.update(overrides)
-    policy = tiny_causal_lm(tok, seed=0, token_bias={tok.eos_token_id: eos_bias} if eos_bias else None)
-    return PPOTrainer(args=PPOConfig(**kwargs), processing_class=tok, model=policy,
-                      ref_model=None, reward_model=tiny_scalar_model(tok, seed=2),
-                      train_dataset=tiny_prompt_dataset(tok, n=3 * GLOBAL_BATCH, seed=1),
-                      value_model=tiny_scalar_model(tok, seed=1), callbacks=list(callbacks))
+    policy, reward_model, value_model = whole_models(tok, eos_bias)
+    peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0) if lora else None
+    return PPOTrainer(args=PPOConfig(**kwargs), processing_class=tok, model=policy, ref_model=None,
+                      reward_model=reward_model, train_dataset=tiny_prompt_dataset(tok, n=3 * GLOBAL_BATCH, seed=1),
+                      value_model=value_model, callbacks=list(callbacks), peft_config=peft_config)
 
 
 def flat(module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
 
 
+def flat_roles(trainer: PPOTrainer) -> dict | None:
+    """{"policy", "value"}: each role's whole weights flattened (gathered from ZeRO-3 / FSDP2 shards: every process
+    calls this; None on the others)."""
+    full = trainer.accelerator.get_state_dict(trainer.model)
+    if not trainer.accelerator.is_main_process:
+        return None
+    names = [n for n, _ in trainer.unwrapped.named_parameters()]
+    return {role: torch.cat([full[n].detach().float().flatten().clone() for n in names if n.startswith(prefix)])
+            for role, prefix in (("policy", "policy."), ("value", "value_model."))}
+
+
 def summary(trainer: PPOTrainer) -> dict:
-    return {"policy": flat(trainer.unwrapped.policy), "value": flat(trainer.unwrapped.value_model),
+    roles = flat_roles(trainer) or {}
+    return {"policy": roles.get("policy"), "value": roles.get("value"),
             "logs": [h for h in trainer.state.log_history if "objective/scores" in h],
             "global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes}
 
@@ -107,10 +137,16 @@ def summary(trainer: PPOTrainer) -> dict:
 def run(name: str, out: str) -> dict:
     per_device = GLOBAL_BATCH // _world_size_hint()
     run_dir = os.path.join(out, name)
-    if name == "matched":
-        with matched_sampling():
-            t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0)  # ragged responses: stop at a likely EOS
+    initial = None
+    if name in ("matched", "matched_lora"):
+        with matched_sampling():  # ragged responses: stop at a likely EOS; critic warmup, then 2 PPO steps
+            t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0, lora=name == "matched_lora",
+                      critic_warmup_steps=1)
             t.train()
+    elif name == "warmup":  # one critic-warmup step with weight decay: the policy must not move at all
+        t = build(run_dir, per_device, 1, critic_warmup_steps=1, weight_decay=0.1)
+        initial = flat_roles(t)
+        t.train()
     elif name == "straight":
         t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1)
         t.train()
@@ -123,8 +159,9 @@ def run(name: str, out: str) -> dict:
                   save_strategy="steps", save_steps=1)
         t.train(resume_from_checkpoint=os.path.join(out, "interrupted", "checkpoint-2"))
     else:
-        raise ValueError(f"unknown run {name!r}: choose from matched, straight, interrupted, resumed")
-    result = summary(t)
+        raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, warmup, straight, interrupted, "
+                         "resumed")
+    result = summary(t) | {"initial": initial}
     if t.accelerator.is_main_process:
         torch.save(result, os.path.join(out, f"{name}.pt"))
     t.accelerator.wait_for_everyone()
@@ -137,6 +174,8 @@ def _world_size_hint() -> int:
 
 
 if __name__ == "__main__":
+    import engine_shim  # noqa: F401  (test-only: DeepSpeed and FSDP2 on CPU under accelerate 1.15; see its docstring)
+
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", default="matched")

@@ -1,0 +1,36 @@
+"""Test-only patches that let accelerate 1.15 run DeepSpeed and FSDP2 on 2 CPU processes (gloo). Import first.
+
+accelerate 1.15 treats these engines as GPU-only on CPU, although both run there:
+- DeepSpeed: `PartialState._prepare_backend` finds no backend when the launch is not `--cpu` and no GPU exists, so
+  accelerate counts 1 process while DeepSpeed (`DS_ACCELERATOR=cpu`) has 2 gloo ranks. The patch answers gloo /
+  MULTI_CPU there (what `--cpu` would give), and DeepSpeed's plugin keeps the run a DeepSpeed run.
+- FSDP: `AcceleratorState` turns an FSDP config into MULTI_CPU (DDP) on CPU: the patch keeps the FSDP plugin and
+  the FSDP distributed type, and FSDP2's `fully_shard` then shards over a gloo CPU mesh.
+Nothing in trl_ext depends on these patches; on GPUs accelerate needs none of them.
+"""
+
+import accelerate.state as state
+from accelerate.utils import DistributedType
+
+_prepare_backend = state.PartialState._prepare_backend
+
+
+def _prepare_backend_cpu(self, cpu=False, sagemaker_dp=False, backend=None):
+    found, kind = _prepare_backend(self, cpu, sagemaker_dp, backend)
+    if found is None and kind == DistributedType.NO and state.get_int_from_env(["WORLD_SIZE"], 1) > 1:
+        return "gloo", DistributedType.MULTI_CPU
+    return found, kind
+
+
+_accelerator_state_init = state.AcceleratorState.__init__
+
+
+def _accelerator_state_init_fsdp(self, *args, fsdp_plugin=None, **kwargs):
+    _accelerator_state_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
+    if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+        self.distributed_type = DistributedType.FSDP
+        self.fsdp_plugin = fsdp_plugin
+
+
+state.PartialState._prepare_backend = _prepare_backend_cpu
+state.AcceleratorState.__init__ = _accelerator_state_init_fsdp

@@ -1,0 +1,188 @@
+"""What trl_ext does differently under DeepSpeed (ZeRO-2/3) and FSDP2: model plumbing only, no PPO math.
+
+- `deepspeed_batch_config`: DeepSpeed sizes its engine from a prepared dataloader or from its batch keys; the
+  trainer's rollout dataloader yields whole rollout batches, so the keys are set from the PPO batch sizes, and
+  DeepSpeed's own clipping (one norm over the policy and the critic together) is turned off: trl_ext clips each.
+- `clip_role_grads_`: the policy's or the critic's gradients, read and rescaled through DeepSpeed's
+  `safe_get_full_grad`/`safe_set_full_grad` (under ZeRO the reduced gradients live in the engine, not in `p.grad`),
+  or `p.grad` (DDP, FSDP2's DTensors).
+- `frozen_groups`: critic warmup under DeepSpeed: the engine steps every parameter group, so the policy's groups
+  take that step at learning rate 0 on zero gradients, and their optimizer state is dropped after it (the next real
+  step starts Adam afresh, as when torch skips a parameter without a gradient).
+- `fsdp2_unsharded`: FSDP2 keeps each parameter sharded except inside the forward of the module that owns it;
+  generation, the reference pass through the policy's disabled adapter and evaluation call the policy directly, so
+  every FSDP2 module's parameters are gathered for their length (what TRL does for ZeRO-3 generation).
+- `reference_copy`: TRL's `create_reference_model` refuses under ZeRO-3 (a partitioned model cannot be deep-copied);
+  the copy is built from the policy's config, partitioned, and its weights gathered from the policy.
+"""
+
+from __future__ import annotations
+
+import copy
+import math
+from contextlib import contextmanager
+
+import torch
+from torch import nn
+from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
+
+from ._trl import create_reference_model
+
+
+def deepspeed_batch_config(ds_config: dict, micro_batch: int, accumulation: int, processes: int,
+                           max_grad_norm: float | None) -> None:
+    """Fill the DeepSpeed config's batch keys (one engine step per PPO minibatch) and turn its clipping off. A value
+    the config sets that contradicts the PPO settings is an error, not a silent change."""
+    wanted = {"train_micro_batch_size_per_gpu": micro_batch, "gradient_accumulation_steps": accumulation,
+              "train_batch_size": micro_batch * accumulation * processes}
+    for key, value in wanted.items():
+        given = ds_config.get(key, "auto")
+        if given != "auto" and int(given) != value:
+            raise ValueError(f"The DeepSpeed config sets {key}={given}, but this PPO run needs {value} (one engine "
+                             "step per minibatch of per_device_train_batch_size x gradient_accumulation_steps / "
+                             f"num_mini_batches rows): set it to 'auto' or drop it, and size the batch with "
+                             "PPOConfig's fields.")
+        ds_config[key] = value
+    clip = ds_config.get("gradient_clipping", "auto")
+    if clip != "auto" and float(clip) not in (0.0, float(max_grad_norm or 0.0)):
+        raise ValueError(f"The DeepSpeed config sets gradient_clipping={clip}, but trl_ext clips the policy and the "
+                         f"critic each to max_grad_norm={max_grad_norm}: set gradient_clipping to 'auto' (or drop "
+                         "it) and choose the norm with --max_grad_norm.")
+    ds_config["gradient_clipping"] = 0.0  # trl_ext clips per role (see clip_role_grads_)
+
+
+def clip_role_grads_(params: list[nn.Parameter], max_norm: float, deepspeed: bool, loss_scale: float = 1.0,
+                     drop: bool = False) -> float:
+    """Clip one role's gradients in place to `max_norm` (inf: no clipping) as `torch.nn.utils.clip_grad_norm_`
+    does, and return their pre-clip norm (unscaled by `loss_scale`, DeepSpeed's fp16 loss scale). `drop`: critic
+    warmup, the policy's gradients go (None; under DeepSpeed zeros) and the norm is 0."""
+    if not deepspeed:
+        if drop:
+            for p in params:
+                p.grad = None  # torch optimizers skip parameters without a gradient
+            return 0.0
+        with_grad = [p for p in params if p.grad is not None]
+        if not with_grad:
+            return 0.0
+        norm = torch.nn.utils.clip_grad_norm_(with_grad, max_norm)
+        return float(norm.full_tensor() if hasattr(norm, "full_tensor") else norm)  # FSDP2: a DTensor
+    from deepspeed.utils import safe_get_full_grad, safe_get_local_grad, safe_set_full_grad, safe_set_local_grad
+
+    params = [p for p in params if p.requires_grad]
+    # ZeRO-3: each process's partition of each gradient, the norm summed over processes (its full-gradient setter
+    # fails on padded partitions); ZeRO-1/2: the full gradients
+    zero3 = any(hasattr(p, "ds_id") for p in params)
+    get, set_ = (safe_get_local_grad, safe_set_local_grad) if zero3 else (safe_get_full_grad, safe_set_full_grad)
+    grads = [(p, g) for p in params if (g := get(p)) is not None]
+    if not grads:
+        return 0.0
+    if drop:
+        for p, g in grads:
+            set_(p, torch.zeros_like(g))
+        return 0.0
+    square = torch.stack([g.float().pow(2).sum() for _, g in grads]).sum()
+    if zero3:
+        torch.distributed.all_reduce(square)
+    norm = square.sqrt() / loss_scale
+    coef = torch.clamp(max_norm / (norm + 1e-6), max=1.0)
+    for p, g in grads:
+        set_(p, g * coef.to(g.dtype))
+    return norm.item()
+
+
+def _fp32_partitions(zero_optimizer, group: int) -> list[torch.Tensor]:
+    """The fp32 tensors DeepSpeed's ZeRO optimizer steps for param group `group` (the keys of their Adam state)."""
+    if hasattr(zero_optimizer, "sub_group_to_group_id"):  # ZeRO-3: the group's sub-groups, put in only to step
+        return [zero_optimizer.fp32_partitioned_groups_flat[sub] for sub, g in
+                zero_optimizer.sub_group_to_group_id.items() if g == group]
+    return list(zero_optimizer.optimizer.param_groups[group]["params"])  # ZeRO-1/2: its flat fp32 partition
+
+
+@contextmanager
+def frozen_groups(zero_optimizer, groups: list[int], active: bool):
+    """Inside: the listed param groups of DeepSpeed's ZeRO optimizer step at learning rate 0 (their gradients are
+    zero); after: their optimizer state is dropped, so warmup leaves no trace in it."""
+    if not active:
+        yield
+        return
+    torch_groups = zero_optimizer.optimizer.param_groups
+    saved = [torch_groups[i]["lr"] for i in groups]
+    for i in groups:
+        torch_groups[i]["lr"] = 0.0
+    try:
+        yield
+    finally:
+        for i, lr in zip(groups, saved):
+            torch_groups[i]["lr"] = lr
+            for p in _fp32_partitions(zero_optimizer, i):
+                zero_optimizer.optimizer.state.pop(p, None)
+
+
+def group_roles(optimizer: torch.optim.Optimizer, policy_params, value_params) -> list[str]:
+    """'policy', 'value' or 'mixed' for each param group (read before DeepSpeed replaces the groups' tensors)."""
+    policy_ids, value_ids = {id(p) for p in policy_params}, {id(p) for p in value_params}
+    roles = []
+    for group in optimizer.param_groups:
+        ids = {id(p) for p in group["params"]}
+        roles.append("policy" if ids <= policy_ids else "value" if ids <= value_ids else "mixed")
+    return roles
+
+
+def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
+    from torch.distributed.fsdp import FSDPModule
+
+    return [m for m in model.modules() if isinstance(m, FSDPModule)]
+
+
+def is_fsdp2(model: nn.Module) -> bool:
+    return bool(_fsdp2_modules(model))
+
+
+@contextmanager
+def fsdp2_unsharded(model: nn.Module):
+    """Every FSDP2 module of `model` holds its whole parameters inside (no resharding after each forward); all
+    resharded after. A no-op for a model FSDP2 does not shard."""
+    modules = _fsdp2_modules(model)
+    if not modules:
+        yield
+        return
+    for m in modules:
+        m.set_reshard_after_forward(False, recurse=False)
+        m.unshard()
+    try:
+        yield
+    finally:
+        for m in modules:
+            m.reshard()
+            m.set_reshard_after_forward(True, recurse=False)
+
+
+def reference_copy(policy: nn.Module) -> nn.Module:
+    """A frozen copy of the policy: TRL's `create_reference_model`; under ZeRO-3 (which that refuses) a deep copy of
+    a policy still whole (trl_ext partitions it with the other frozen models), or, for a policy partitioned as it
+    loaded, a model built from its config, partitioned, with each weight gathered from the policy."""
+    if not is_deepspeed_zero3_enabled():
+        return create_reference_model(policy)
+    if not any(hasattr(p, "ds_id") for p in policy.parameters()):
+        ref = copy.deepcopy(policy)
+    else:
+        import deepspeed
+
+        dtype = next(policy.parameters()).dtype
+        ref = type(policy)._from_config(policy.config, dtype=dtype)  # partitioned as it is built (zero.Init)
+        own, source = dict(ref.named_parameters()), dict(policy.named_parameters())
+        if own.keys() != source.keys():
+            raise ValueError("Under ZeRO-3 the reference is built from the policy's config, and that model has "
+                             f"other parameters than the policy ({sorted(own.keys() ^ source.keys())[:3]}): pass "
+                             "ref_model (e.g. from_pretrained of the policy's checkpoint).")
+        for name, param in own.items():
+            with deepspeed.zero.GatheredParameters([param, source[name]], modifier_rank=0):
+                if torch.distributed.get_rank() == 0:
+                    param.data.copy_(source[name].data)
+    for p in ref.parameters():
+        p.requires_grad_(False)
+    return ref.eval()
+
+
+def finite_or_inf(max_grad_norm: float | None) -> float:
+    return max_grad_norm if max_grad_norm is not None and max_grad_norm > 0 else math.inf
