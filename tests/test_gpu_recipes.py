@@ -75,8 +75,9 @@ def _wrapper(causal_cls, scalar_cls, config):
     return PolicyAndValueWrapper(causal_cls(config), scalar_cls(scalar_config))
 
 
-def test_fsdp_config_names_a_layer_class_of_the_policy_and_value_model():
-    from accelerate.utils.dataclasses import get_module_class_from_name
+def test_fsdp_config_wraps_the_layer_classes_of_any_policy_and_value_model():
+    from accelerate.utils import FullyShardedDataParallelPlugin
+    from accelerate.utils.fsdp_utils import fsdp2_prepare_auto_wrap_policy
     from transformers import (
         GPTNeoXConfig,
         GPTNeoXForCausalLM,
@@ -90,18 +91,21 @@ def test_fsdp_config_names_a_layer_class_of_the_policy_and_value_model():
     assert fsdp["fsdp_version"] == 2
     assert fsdp["fsdp_auto_wrap_policy"] == "TRANSFORMER_BASED_WRAP"
     assert fsdp["fsdp_cpu_ram_efficient_loading"] is False  # else unwrapped reward/ref models lack weights on rank > 0
-    # accelerate raises "Could not find the transformer layer class" when the named class is not in the module it wraps:
-    # the trainer wraps a PolicyAndValueWrapper, here of the recipe's architecture (Pythia = GPT-NeoX)...
-    neox = GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+    # no class named: accelerate's wrap policy takes the wrapper's `_no_split_modules` (the policy's and the value
+    # model's own), so every layer of either architecture gets its own shard group and nothing else does
+    assert "fsdp_transformer_layer_cls_to_wrap" not in fsdp
+    plugin = FullyShardedDataParallelPlugin(fsdp_version=2, auto_wrap_policy="transformer_based_wrap")
+    neox = GPTNeoXConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                          intermediate_size=32, max_position_embeddings=32)
-    layer = fsdp["fsdp_transformer_layer_cls_to_wrap"]
-    found = get_module_class_from_name(_wrapper(GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, neox), layer)
-    assert found is not None and found.__name__ == layer
-    # ... and the override the README gives for Llama models
-    llama = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=1, num_attention_heads=2,
+    llama = LlamaConfig(vocab_size=64, hidden_size=16, num_hidden_layers=2, num_attention_heads=2,
                         num_key_value_heads=1, intermediate_size=32, max_position_embeddings=32)
-    assert get_module_class_from_name(_wrapper(LlamaForCausalLM, LlamaForSequenceClassification, llama),
-                                      "LlamaDecoderLayer") is not None
+    for causal, scalar, config, layer in ((GPTNeoXForCausalLM, GPTNeoXForSequenceClassification, neox, "GPTNeoXLayer"),
+                                          (LlamaForCausalLM, LlamaForSequenceClassification, llama,
+                                           "LlamaDecoderLayer")):
+        wrapper = _wrapper(causal, scalar, config)
+        wraps = fsdp2_prepare_auto_wrap_policy(plugin, wrapper)
+        wrapped = [type(m).__name__ for m in wrapper.modules() if wraps(m)]
+        assert wrapped == [layer] * 4  # 2 layers of the policy, 2 of the value model
 
 
 def test_configs_readme_gives_each_launch_line_and_says_what_was_run():

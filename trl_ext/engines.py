@@ -6,6 +6,8 @@
 - `clip_role_grads_`: the policy's or the critic's gradients, read and rescaled through DeepSpeed's
   `safe_get_full_grad`/`safe_set_full_grad` (under ZeRO the reduced gradients live in the engine, not in `p.grad`),
   or `p.grad` (DDP, FSDP2's DTensors).
+- `average_gradients_`: a shared 4-bit base on several processes is not wrapped in DDP (it runs two backward passes
+  per micro-batch, one per adapter); its trained gradients are averaged once per optimizer step instead.
 - `frozen_groups`: critic warmup under DeepSpeed: the engine steps every parameter group, so the policy's groups
   take that step at learning rate 0 on zero gradients, and their optimizer state is dropped after it (the next real
   step starts Adam afresh, as when torch skips a parameter without a gradient).
@@ -98,6 +100,18 @@ def _fp32_partitions(zero_optimizer, group: int) -> list[torch.Tensor]:
     return list(zero_optimizer.optimizer.param_groups[group]["params"])  # ZeRO-1/2: its flat fp32 partition
 
 
+def average_gradients_(params: list[nn.Parameter], reduce) -> None:
+    """Average the gradients of `params` over the processes in place, in one flat all-reduce: a shared 4-bit base's
+    adapters and heads, which are not wrapped in DDP. `reduce`: `accelerator.reduce`. Every process holds the same
+    parameters with a gradient (in critic warmup the policy's have none anywhere)."""
+    grads = [p.grad for p in params if p.grad is not None]
+    if not grads:
+        return
+    flat = reduce(torch.cat([g.reshape(-1) for g in grads]), reduction="mean")
+    for g, part in zip(grads, torch.split(flat, [g.numel() for g in grads])):
+        g.copy_(part.view_as(g))
+
+
 @contextmanager
 def frozen_groups(zero_optimizer, groups: list[int], active: bool):
     """Inside: the listed param groups of DeepSpeed's ZeRO optimizer step at learning rate 0 (their gradients are
@@ -146,6 +160,9 @@ def fsdp2_unsharded(model: nn.Module):
     if not modules:
         yield
         return
+    # FSDP2 takes the first module to run forward as its root; before any forward, tell it which one that is
+    # (torch has no public call for it: `fully_shard`'s state does this in the root's first pre-forward)
+    modules[0]._get_fsdp_state()._lazy_init()
     for m in modules:
         m.set_reshard_after_forward(False, recurse=False)
         m.unshard()

@@ -62,6 +62,7 @@ from .diagnostics import (
     update_metrics,
 )
 from .engines import (
+    average_gradients_,
     clip_role_grads_,
     deepspeed_batch_config,
     finite_or_inf,
@@ -413,8 +414,7 @@ class PPOTrainer(PPOTrainerBase):
         self.dataloader = DataLoader(train_dataset, batch_sampler=self.batch_sampler, collate_fn=data_collator,
                                      generator=torch.Generator().manual_seed(args.seed))
         if self.shared is not None and accelerator.num_processes > 1:
-            raise ValueError(f"A shared-base model trains in one process; this run has {accelerator.num_processes}. "
-                             "Launch one process, or give the policy, critic and reward models separately.")
+            self._check_shared_base_processes()
         wrapper = self.unwrapped
         self.group_roles = group_roles(self.optimizer, wrapper.policy_parameters(), wrapper.value_parameters())
         if self.is_deepspeed_enabled:
@@ -425,7 +425,13 @@ class PPOTrainer(PPOTrainerBase):
                 raise ValueError("critic_warmup_steps under DeepSpeed freezes the policy's optimizer groups, but a "
                                  "param group of your optimizer holds both policy and value parameters: give them "
                                  "separate groups, or let trl_ext build the optimizer.")
-        self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
+        if self.shared is not None and accelerator.num_processes > 1:
+            # not wrapped in DDP: each process holds the 4-bit base, and the trained adapters' and heads' gradients
+            # are averaged over the processes before each optimizer step (`_clip_gradients`); DDP's reducer would
+            # reduce once per backward, and a shared base runs two per micro-batch (one per adapter)
+            self.optimizer = accelerator.prepare(self.optimizer)
+        else:
+            self.model, self.optimizer = accelerator.prepare(self.model, self.optimizer)
         self.eval_dataloader = None
         if eval_dataset is not None:
             # each process evaluates its own share of the prompts, in order; its own generator so that iterating
@@ -435,6 +441,10 @@ class PPOTrainer(PPOTrainerBase):
             if len(shard) == 0:
                 raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts, fewer than the "
                                  f"{accelerator.num_processes} processes; add prompts.")
+            if self._params_sharded and len(eval_dataset) % accelerator.num_processes:
+                raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts for {accelerator.num_processes} "
+                                 "processes: with sharded parameters (ZeRO-3, FSDP) every process must run the same "
+                                 "forward passes, so use a multiple of the process count (drop or add prompts).")
             self.eval_dataloader = DataLoader(shard, batch_size=args.per_device_eval_batch_size,
                                               collate_fn=data_collator, generator=torch.Generator().manual_seed(0))
 
@@ -470,6 +480,21 @@ class PPOTrainer(PPOTrainerBase):
         if args.ref_adapter_name:
             raise ValueError(f"ref_adapter_name={args.ref_adapter_name!r} is not used with a shared-base model (the "
                              "reference is the base with adapters disabled): unset it.")
+
+    def _check_shared_base_processes(self) -> None:
+        """A shared base on several processes: plain data parallel only (bitsandbytes' 4-bit weights cannot be
+        sharded), every process holding the base on its own device."""
+        accelerator = self.accelerator
+        if self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            raise ValueError("A shared 4-bit base cannot be sharded by DeepSpeed or FSDP (bitsandbytes' quantized "
+                             "weights): launch plain data parallel (`accelerate launch --multi_gpu "
+                             "--num_processes N`), each process holding the base, or one process.")
+        device = accelerator.device
+        devices = {p.device for p in self.shared.parameters()}
+        if any(d.type != device.type or (d.type != "cpu" and d.index != device.index) for d in devices):
+            raise ValueError(f"The shared base is on {sorted(map(str, devices))} but this process trains on "
+                             f"{accelerator.device}: load the base on each process's own device (e.g. "
+                             "`device_map={'': PartialState().local_process_index}` in from_pretrained).")
 
     def _reward_model_for_critic(self):
         """The reward model value_model_init="reward_model" copies: the one reward model, which must read the
@@ -664,6 +689,8 @@ class PPOTrainer(PPOTrainerBase):
         loss_scale = float(getattr(self.model.optimizer, "loss_scale", 1.0)) if deepspeed else 1.0
         if not deepspeed:
             self.accelerator.unscale_gradients()
+        if self.shared is not None and self.accelerator.num_processes > 1:
+            average_gradients_(self.shared.trainable_parameters(), self.accelerator.reduce)
         for key, params, drop in (("policy/grad_norm", wrapper.policy_parameters(), critic_only),
                                   ("val/grad_norm", wrapper.value_parameters(), False)):
             stats.add_step(key, clip_role_grads_(params, max_norm, deepspeed, loss_scale, drop))

@@ -1,18 +1,26 @@
-"""PPO runs on tiny models for tests/test_ddp.py, under `accelerate launch` (2 CPU processes) or as one process.
+"""PPO runs on tiny models for tests/test_scale_out.py, under `accelerate launch` (2 CPU processes; DDP, DeepSpeed
+ZeRO-2/3 or FSDP2) or as one process.
 
     python tests/scripts/ddp_runs.py --out DIR --runs matched             # one process
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 tests/scripts/ddp_runs.py --out DIR \
         --runs matched,straight,interrupted,resumed
+    DS_ACCELERATOR=cpu accelerate launch --config_file recipes/accelerate_configs/deepspeed_zero3.yaml \
+        --num_processes 2 --mixed_precision no tests/scripts/ddp_runs.py --out DIR --runs matched
 
+Launched, the script first imports `engine_shim` (accelerate 1.15 runs DeepSpeed and FSDP on CPU only with it).
 Each run trains its own trainer in `DIR/<run>` and the main process writes `DIR/<run>.pt`: the policy's and the value
-model's weights (flattened) and the logged metrics of each step.
+model's whole weights (flattened; gathered from ZeRO-3 / FSDP2 shards), the logged metrics of each step, the engine
+and how it held the parameters.
 
-- `matched`: a global batch of `GLOBAL_BATCH` prompts whatever the number of processes (per-device batch =
-  GLOBAL_BATCH / processes), with the two things that legitimately differ between N processes and one made equal
-  (`matched_sampling`): responses are sampled from an RNG stream seeded by the prompt and the iteration (each process
-  otherwise samples with its own stream). Advantages need no patch: the trainer whitens them with statistics over all
-  processes (TRL whitens each process's share on its own). Responses stop at a likely EOS, so the processes hold
-  different numbers of response tokens: the losses are token means over all of them, as in one process.
+- `matched` / `matched_lora`: a global batch of `GLOBAL_BATCH` prompts whatever the number of processes (per-device
+  batch = GLOBAL_BATCH / processes), a critic-warmup iteration then PPO, with the one thing that legitimately differs
+  between N processes and one made equal (`matched_sampling`): responses are sampled from an RNG stream seeded by the
+  prompt and the iteration (each process otherwise samples with its own stream). Advantages need no patch: the
+  trainer whitens them with statistics over all processes (TRL whitens each process's share on its own). Responses
+  stop at a likely EOS, so the processes hold different numbers of response tokens: the losses are token means over
+  all of them, as in one process. `matched_lora` trains a LoRA policy.
+- `warmup`: one critic-warmup iteration with weight decay (the policy must not move); `loaded`: the config first,
+  then the models from disk (partitioned as they load under ZeRO-3), no gathering for generation, an evaluation.
 - `straight`: 4 iterations, default sampling; `interrupted`: the same settings, a checkpoint every iteration, stopped
   after 2; `resumed`: a fresh trainer resumed from `interrupted`'s checkpoint-2.
 """
@@ -21,18 +29,21 @@ from __future__ import annotations
 
 import argparse
 import copy
+import functools
 import os
 import zlib
 from contextlib import contextmanager
 
 import torch
+from accelerate import PartialState
 from peft import LoraConfig
-from transformers import TrainerCallback
+from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 
 import trl_ext.trainer as trainer_module
 from trl_ext import PPOConfig, PPOTrainer
+from trl_ext.models import build_shared_base
 from trl_ext.models import generate_responses as _generate
-from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+from trl_ext.testing import quantized_4bit, tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 GLOBAL_BATCH = 8
 MATCHED_STEPS = 3
@@ -96,7 +107,7 @@ def whole_models(tok, eos_bias: float) -> tuple:
 
 
 def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: float = 0.0, lora: bool = False,
-          **overrides) -> PPOTrainer:
+          from_disk: bool = False, **overrides) -> PPOTrainer:
     """The models are whole (under ZeRO-3 the engine partitions them when the trainer prepares them)."""
     tok = tiny_tokenizer()
     kwargs = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
@@ -104,12 +115,48 @@ def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: flo
                   learning_rate=3e-3, kl_coef=0.1, kl_controller="adaptive", kl_target=0.05, kl_horizon=16,
                   report_to=[], save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True,
                   logging_steps=1, seed=5, gradient_checkpointing=False)
+    eval_dataset = overrides.pop("eval_dataset", None)
     kwargs.update(overrides)
     policy, reward_model, value_model = whole_models(tok, eos_bias)
+    args = PPOConfig(**kwargs)
+    if from_disk:  # saved by the main process after the config (and a ZeRO-3 launch) exists, loaded by each
+        folder = os.path.join(out_dir, "models")
+        if args.process_index == 0:
+            for model, sub in zip((policy, reward_model, value_model), ("policy", "reward", "value")):
+                model.save_pretrained(os.path.join(folder, sub))
+        PartialState().wait_for_everyone()
+        policy = AutoModelForCausalLM.from_pretrained(os.path.join(folder, "policy"))
+        reward_model, value_model = (AutoModelForSequenceClassification.from_pretrained(os.path.join(folder, sub))
+                                     for sub in ("reward", "value"))
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0) if lora else None
-    return PPOTrainer(args=PPOConfig(**kwargs), processing_class=tok, model=policy, ref_model=None,
+    return PPOTrainer(args=args, processing_class=tok, eval_dataset=eval_dataset, model=policy, ref_model=None,
                       reward_model=reward_model, train_dataset=tiny_prompt_dataset(tok, n=3 * GLOBAL_BATCH, seed=1),
                       value_model=value_model, callbacks=list(callbacks), peft_config=peft_config)
+
+
+def build_shared(out_dir: str, per_device: int, steps: int, callbacks=(), **overrides) -> PPOTrainer:
+    """A shared 4-bit base (nf4 on CPU): policy and critic LoRA adapters of one base, the reference its adapters off.
+    The fp32 base is saved by the main process after the config exists and loaded in 4-bit by every process."""
+    tok = tiny_tokenizer()
+    kwargs = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
+                  num_mini_batches=1, num_ppo_epochs=2, total_episodes=steps * GLOBAL_BATCH, response_length=6,
+                  learning_rate=1e-3, kl_coef=0.1, report_to=[], save_strategy="no", num_sample_generations=0,
+                  bf16=False, disable_tqdm=True, logging_steps=1, seed=5, gradient_checkpointing=True,
+                  critic_warmup_steps=1)
+    kwargs.update(overrides)
+    reward_model = whole_models(tok, 0.0)[1]
+    args = PPOConfig(**kwargs)
+    folder = os.path.join(out_dir, "base")
+    if args.process_index == 0:
+        tiny_causal_lm(tok, seed=0, hidden_size=64, intermediate_size=128).save_pretrained(folder)
+    PartialState().wait_for_everyone()
+    torch.manual_seed(0)  # the LoRA matrices' initialisation
+    lora = dict(r=4, lora_alpha=8, lora_dropout=0.0, target_modules="all-linear", init_lora_weights=False)
+    shared = build_shared_base(quantized_4bit(AutoModelForCausalLM, folder), policy_lora=LoraConfig(**lora),
+                               critic_lora=LoraConfig(**{**lora, "r": 2}))
+    return PPOTrainer(args=args, processing_class=tok, model=shared, ref_model=None, reward_model=reward_model,
+                      train_dataset=tiny_prompt_dataset(tok, n=3 * GLOBAL_BATCH, seed=1), value_model=None,
+                      callbacks=list(callbacks))
 
 
 def flat(module) -> torch.Tensor:
@@ -122,6 +169,9 @@ def flat_roles(trainer: PPOTrainer) -> dict | None:
     full = trainer.accelerator.get_state_dict(trainer.model)
     if not trainer.accelerator.is_main_process:
         return None
+    if trainer.shared is not None:  # its trained parts: the adapters and the value head
+        return {role: torch.cat([p.detach().float().flatten().clone() for p in params]) for role, params in
+                (("policy", trainer.shared.policy_parameters()), ("value", trainer.shared.value_parameters()))}
     names = [n for n, _ in trainer.unwrapped.named_parameters()]
     return {role: torch.cat([full[n].detach().float().flatten().clone() for n in names if n.startswith(prefix)])
             for role, prefix in (("policy", "policy."), ("value", "value_model."))}
@@ -131,7 +181,16 @@ def summary(trainer: PPOTrainer) -> dict:
     roles = flat_roles(trainer) or {}
     return {"policy": roles.get("policy"), "value": roles.get("value"),
             "logs": [h for h in trainer.state.log_history if "objective/scores" in h],
-            "global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes}
+            "global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes,
+            "engine": trainer.accelerator.distributed_type.value, "sharded": sharded(trainer)}
+
+
+def sharded(trainer: PPOTrainer) -> str:
+    """How the trained parameters are held: "dtensor" (FSDP2), "zero3" (partitioned), or "whole"."""
+    params = list(trainer.unwrapped.parameters())
+    if any(type(p).__name__ == "DTensor" or type(p.data).__name__ == "DTensor" for p in params):
+        return "dtensor"
+    return "zero3" if any(hasattr(p, "ds_id") for p in params) else "whole"
 
 
 def run(name: str, out: str) -> dict:
@@ -147,20 +206,40 @@ def run(name: str, out: str) -> dict:
         t = build(run_dir, per_device, 1, critic_warmup_steps=1, weight_decay=0.1)
         initial = flat_roles(t)
         t.train()
-    elif name == "straight":
-        t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1)
+    elif name == "loaded":  # as a script runs: the config first, then the models from disk (ZeRO-3: partitioned
+        # as they load, so the reference is built partitioned too), generation without gathering, an evaluation
+        t = build(run_dir, per_device, 2, from_disk=True, ds3_gather_for_generation=False,
+                  eval_dataset=tiny_prompt_dataset(tiny_tokenizer(), n=4, seed=3), eval_strategy="steps", eval_steps=1)
         t.train()
-    elif name == "interrupted":
-        t = build(run_dir, per_device, RESUME_STEPS, callbacks=[StopAt(2)], critic_warmup_steps=1,
-                  save_strategy="steps", save_steps=1)
-        t.train()
-    elif name == "resumed":
-        t = build(os.path.join(out, "interrupted"), per_device, RESUME_STEPS, critic_warmup_steps=1,
-                  save_strategy="steps", save_steps=1)
-        t.train(resume_from_checkpoint=os.path.join(out, "interrupted", "checkpoint-2"))
+    elif name == "shared_matched":
+        with matched_sampling():
+            t = build_shared(run_dir, per_device, MATCHED_STEPS)
+            t.train()
+    elif name == "shared_refused":  # under DeepSpeed / FSDP: a clear error, no run
+        try:
+            build_shared(run_dir, per_device, 1)
+        except ValueError as error:
+            result = {"error": str(error)}
+        else:
+            result = {"error": None}
+        if int(os.environ.get("RANK", "0")) == 0:
+            torch.save(result, os.path.join(out, f"{name}.pt"))
+        return result
+    elif name.removeprefix("shared_") in ("straight", "interrupted", "resumed"):
+        make = build_shared if name.startswith("shared_") else functools.partial(build, critic_warmup_steps=1)
+        interrupted = os.path.join(out, name.replace("resumed", "interrupted"))
+        if name.endswith("straight"):
+            t = make(run_dir, per_device, RESUME_STEPS)
+            t.train()
+        elif name.endswith("interrupted"):
+            t = make(run_dir, per_device, RESUME_STEPS, callbacks=[StopAt(2)], save_strategy="steps", save_steps=1)
+            t.train()
+        else:
+            t = make(interrupted, per_device, RESUME_STEPS, save_strategy="steps", save_steps=1)
+            t.train(resume_from_checkpoint=os.path.join(interrupted, "checkpoint-2"))
     else:
-        raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, warmup, straight, interrupted, "
-                         "resumed")
+        raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, warmup, loaded, [shared_]straight, "
+                         "[shared_]interrupted, [shared_]resumed, shared_matched")
     result = summary(t) | {"initial": initial}
     if t.accelerator.is_main_process:
         torch.save(result, os.path.join(out, f"{name}.pt"))
@@ -175,6 +254,8 @@ def _world_size_hint() -> int:
 
 if __name__ == "__main__":
     import engine_shim  # noqa: F401  (test-only: DeepSpeed and FSDP2 on CPU under accelerate 1.15; see its docstring)
+
+    whole_models(tiny_tokenizer(), 0.0)  # before any PPOConfig (see whole_models)
 
     parser = argparse.ArgumentParser()
     parser.add_argument("--out", required=True)

@@ -27,9 +27,12 @@ _accelerator_state_init = state.AcceleratorState.__init__
 
 def _accelerator_state_init_fsdp(self, *args, fsdp_plugin=None, **kwargs):
     _accelerator_state_init(self, *args, fsdp_plugin=fsdp_plugin, **kwargs)
-    if fsdp_plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
+    plugin = fsdp_plugin or self.__dict__.get("fsdp_plugin")
+    if plugin is not None and self.distributed_type == DistributedType.MULTI_CPU:
         self.distributed_type = DistributedType.FSDP
-        self.fsdp_plugin = fsdp_plugin
+        self.fsdp_plugin = plugin
+        # later AcceleratorState() calls copy PartialState's shared fields over this one's
+        state.PartialState._shared_state["distributed_type"] = DistributedType.FSDP
 
 
 state.PartialState._prepare_backend = _prepare_backend_cpu

@@ -1,0 +1,198 @@
+"""trl_ext on 2 CPU processes under each engine it ships a config for, against one process holding the same global
+batch: DDP, DeepSpeed ZeRO-2 and ZeRO-3 (`recipes/accelerate_configs/deepspeed_zero{2,3}.yaml`), FSDP2
+(`recipes/accelerate_configs/fsdp.yaml`), each config as shipped but for `--num_processes 2 --mixed_precision no`.
+
+One `accelerate launch` per engine runs tests/scripts/ddp_runs.py's runs in the same two processes:
+
+- `matched` / `matched_lora` (full fine-tuning / LoRA policy): global batch 8, a critic-warmup iteration and then 2
+  PPO iterations. The one thing that differs between N processes and one by design is made equal in both
+  (`ddp_runs.matched_sampling`: each prompt's response comes from an RNG stream seeded by the prompt and the
+  iteration). Everything else is the trainer's own under that engine: advantages whitened over all processes,
+  token-mean losses over the tokens of all processes (responses stop at a likely EOS: ragged), gradient averaging,
+  each role's gradient clipped on its own (DeepSpeed would clip one joint norm; trl_ext turns that off and clips
+  through DeepSpeed's gradient accessors), the optimizer steps, adaptive β from the gathered KL. Weights must match
+  to 1e-5 and every logged metric to 1e-4, grad norms included (non-zero: the policy's is clipped at step 2).
+- `warmup`: one critic-warmup iteration with weight decay 0.1: the policy must stay bit-identical (under DeepSpeed
+  the engine steps every group: trl_ext steps the policy's at learning rate 0 and drops their optimizer state).
+- `loaded`: as a script runs: the config first, then the models from disk, so ZeRO-3 partitions them as they load
+  (the reference is then built partitioned, `engines.reference_copy`); generation without gathering
+  (`ds3_gather_for_generation=False`); an evaluation every step. The first rollout's KL must be exactly 0 (the
+  reference is the policy).
+- `straight` / `interrupted` + `resumed`: 4 iterations straight, or 2 with a checkpoint each and then resumed from
+  checkpoint-2 by a fresh trainer: weights and every logged metric bit-identical (DeepSpeed resumes from its engine
+  checkpoint, FSDP2 from its own files; each process's RNG state is restored). The checkpoint's policy weights
+  (gathered from the shards) must be the trained ones.
+
+accelerate 1.15 runs neither DeepSpeed nor FSDP on CPU processes by itself; `tests/scripts/engine_shim.py` (imported
+by the launched script only) patches the two places, see its docstring. DeepSpeed compiles one op the first time
+(about 85 s, then cached).
+"""
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[1]
+CONFIGS = ROOT / "recipes" / "accelerate_configs"
+sys.path.insert(0, str(ROOT / "tests" / "scripts"))
+
+import ddp_runs  # noqa: E402
+
+pytestmark = pytest.mark.slow
+
+# launch arguments after `accelerate launch`, the distributed type accelerate reports, how parameters are held
+ENGINES = {
+    "ddp": (["--multi_gpu", "--num_machines", "1", "--dynamo_backend", "no"], "MULTI_CPU", "whole"),
+    "zero2": (["--config_file", str(CONFIGS / "deepspeed_zero2.yaml")], "DEEPSPEED", "whole"),
+    "zero3": (["--config_file", str(CONFIGS / "deepspeed_zero3.yaml")], "DEEPSPEED", "zero3"),
+    "fsdp2": (["--config_file", str(CONFIGS / "fsdp.yaml")], "FSDP", "dtensor"),
+}
+RUNS = ["matched", "matched_lora", "warmup", "loaded", "straight", "interrupted", "resumed"]
+# a shared 4-bit base: trained under DDP; refused with an error under ZeRO-2 and FSDP2 (neither can shard 4-bit
+# weights); under ZeRO-3 the 4-bit base cannot even load (loading it partitioned hangs, before trl_ext is reached)
+SHARED_RUNS = {"ddp": ["shared_matched", "shared_straight", "shared_interrupted", "shared_resumed"],
+               "zero2": ["shared_refused"], "zero3": [], "fsdp2": ["shared_refused"]}
+PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526}
+
+# Differ between 2 processes and 1 by construction, not by a fault:
+# - val/ratio_var: the variance of the per-micro-batch mean ratios, over 2 x (micro-batches) values with 2
+#   processes and over half as many with one;
+# - val/clipfrac_avg: trl_ext/core/losses.py builds V_clip = V_old + clamp(V − V_old, ±c), which differs from V by a
+#   rounding error inside the range, and counts V_clip's error > V's as clipped: float noise decides some tokens;
+# - eps: throughput.
+NOT_COMPARED = {"val/ratio_var", "val/clipfrac_avg", "eps"}
+
+
+@pytest.fixture(scope="module", params=list(ENGINES))
+def launched(request, tmp_path_factory):
+    engine = request.param
+    out = tmp_path_factory.mktemp(engine)
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    runs = RUNS + SHARED_RUNS[engine]
+    if engine == "ddp":
+        env["ACCELERATE_USE_CPU"] = "true"
+    cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine][0], "--num_processes", "2",
+           "--mixed_precision", "no", "--main_process_port", str(PORTS[engine]),
+           str(ROOT / "tests" / "scripts" / "ddp_runs.py"), "--out", str(out), "--runs", ",".join(runs)]
+    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    assert "RUNS DONE" in proc.stdout
+    return engine, {name: torch.load(out / f"{name}.pt") for name in runs}, out
+
+
+@pytest.fixture(scope="module")
+def one_process(tmp_path_factory):
+    out = tmp_path_factory.mktemp("one")
+    return {name: ddp_runs.run(name, str(out)) for name in ("matched", "matched_lora", "shared_matched")}
+
+
+def test_each_engine_runs_as_its_config_says(launched):
+    engine, results, _ = launched
+    _, distributed_type, holding = ENGINES[engine]
+    for name in RUNS:
+        result = results[name]
+        assert result["world_size"] == 2, name
+        assert result["engine"] == distributed_type, name
+        assert result["sharded"] == holding, name
+
+
+def _matched(results, one_process, run, tmp_path, engine):
+    two, one = results[run], one_process[run]
+    assert one["world_size"] == 1 and two["global_step"] == one["global_step"] == ddp_runs.MATCHED_STEPS
+
+    if run == "shared_matched":
+        initial = ddp_runs.build_shared(str(tmp_path / "init"), 8, 1)
+    else:
+        initial = ddp_runs.build(str(tmp_path / "init"), 8, 1, eos_bias=2.0, lora=run == "matched_lora")
+    initial_roles = ddp_runs.flat_roles(initial)
+    for part in ("policy", "value"):
+        moved = (one[part] - initial_roles[part]).abs().max().item()
+        assert moved > 1e-3, f"the {part} barely trained ({moved:.2e}); the comparison would be empty"
+        torch.testing.assert_close(two[part], one[part], rtol=0, atol=1e-5, msg=f"{engine}: {part} weights differ")
+
+    assert len(two["logs"]) == len(one["logs"]) == ddp_runs.MATCHED_STEPS
+    if run != "shared_matched":
+        assert all(log["rollout/response_length_mean"] < 5 for log in one["logs"])  # ragged: most responses stop
+    assert two["logs"][0]["val/warmup"] == 1 and two["logs"][0]["policy/grad_norm"] == 0
+    for log in two["logs"][1:]:
+        assert log["policy/grad_norm"] > 0 and log["val/grad_norm"] > 0
+    if run == "matched":  # max_grad_norm=1 clips the full policy's gradients: clipping is compared too
+        assert max(log["policy/grad_norm"] for log in one["logs"]) > 1.0
+    for step, (a, b) in enumerate(zip(two["logs"], one["logs"]), 1):
+        keys = set(a) - NOT_COMPARED
+        assert keys == set(b) - NOT_COMPARED
+        for key in sorted(keys):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), f"{engine} step {step}: {key}"
+
+
+@pytest.mark.parametrize("run", ["matched", "matched_lora"])
+def test_two_processes_match_one_process_with_the_same_global_batch(launched, one_process, run, tmp_path):
+    engine, results, _ = launched
+    _matched(results, one_process, run, tmp_path, engine)
+
+
+@pytest.mark.parametrize("launched", ["ddp"], indirect=True)
+def test_a_shared_4bit_base_on_two_processes_matches_one_process(launched, one_process, tmp_path):
+    """Each process holds the nf4 base; the policy and critic adapters and the value head are averaged by hand once
+    per optimizer step (no DDP: a shared base runs two backward passes per micro-batch). Learning rate 1e-3: at
+    1e-2, Adam turns the nf4 kernels' batch-size rounding (1 process: 8 rows, 2: 4 each) into 5e-3 apart."""
+    engine, results, _ = launched
+    _matched(results, one_process, "shared_matched", tmp_path, engine)
+    straight, resumed = results["shared_straight"], results["shared_resumed"]
+    assert resumed["global_step"] == straight["global_step"] == ddp_runs.RESUME_STEPS
+    assert not torch.equal(results["shared_interrupted"]["policy"], straight["policy"])
+    assert torch.equal(resumed["policy"], straight["policy"]) and torch.equal(resumed["value"], straight["value"])
+    assert ([{k: v for k, v in log.items() if k != "eps"} for log in resumed["logs"]]
+            == [{k: v for k, v in log.items() if k != "eps"} for log in straight["logs"]])
+
+
+@pytest.mark.parametrize("launched", ["zero2", "fsdp2"], indirect=True)
+def test_a_shared_4bit_base_is_refused_by_sharding_engines(launched):
+    _, results, _ = launched
+    assert "cannot be sharded by DeepSpeed or FSDP" in results["shared_refused"]["error"]
+
+
+def test_critic_warmup_leaves_the_policy_bit_identical(launched):
+    engine, results, _ = launched
+    warmup = results["warmup"]
+    assert warmup["logs"][0]["val/warmup"] == 1
+    assert torch.equal(warmup["policy"], warmup["initial"]["policy"]), f"{engine}: the policy moved in warmup"
+    assert not torch.equal(warmup["value"], warmup["initial"]["value"]), f"{engine}: the critic did not train"
+
+
+def test_models_loaded_after_the_config_train_and_evaluate(launched):
+    engine, results, _ = launched
+    logs = results["loaded"]["logs"]
+    assert len(logs) == 2
+    assert logs[0]["objective/kl"] == 0.0, f"{engine}: the reference is not the policy at the first rollout"
+    assert logs[1]["objective/kl"] != 0.0
+    for log in logs:
+        assert 0.0 <= log["eval/win_rate_vs_ref"] <= 1.0 and "eval/kl" in log
+
+
+def test_save_and_resume_give_the_uninterrupted_run(launched):
+    from safetensors.torch import load_file
+
+    engine, results, out = launched
+    straight, interrupted, resumed = results["straight"], results["interrupted"], results["resumed"]
+    checkpoint = out / "interrupted" / "checkpoint-2"
+    assert interrupted["global_step"] == 2 and (checkpoint / "rng_state_1.pth").exists()
+    assert resumed["global_step"] == straight["global_step"] == ddp_runs.RESUME_STEPS
+    assert not torch.equal(interrupted["policy"], straight["policy"])
+    assert torch.equal(resumed["policy"], straight["policy"]), f"{engine}: resumed policy differs"
+    assert torch.equal(resumed["value"], straight["value"]), f"{engine}: resumed value model differs"
+
+    def comparable(logs):
+        return [{k: v for k, v in log.items() if k != "eps"} for log in logs]
+
+    assert comparable(resumed["logs"]) == comparable(straight["logs"])
+    # the checkpoint's policy (for inference) holds the whole trained weights, gathered from the shards
+    saved = load_file(checkpoint / "model.safetensors")
+    names = [n for n, _ in ddp_runs.build(str(out / "names"), 8, 1).unwrapped.policy.named_parameters()]
+    torch.testing.assert_close(torch.cat([saved[n].flatten().float() for n in names]), interrupted["policy"],
+                               rtol=0, atol=0)
