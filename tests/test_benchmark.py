@@ -116,3 +116,22 @@ def test_the_timed_functions_exist_in_both_trainers():
                         (trl_ext.rewards.RewardScorer, "__call__"), (trl_ext.trainer.PPOTrainer, "ppo_update")]:
         assert hasattr(owner, name), f"{owner.__name__}.{name}"
     assert any(hasattr(trl_ext.trainer.PPOTrainer, n) for n in ("_ref_logprobs", "_ref_logits"))
+
+
+@pytest.mark.slow
+def test_scale_out_benchmark_measures_the_sharding(tmp_path):
+    """benchmarks/scale_out.py end to end on 2 CPU processes, DDP and ZeRO-2, one iteration: its table reads the
+    engine each run really used, and ZeRO-2 holds half the optimizer state per process and all the weights."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "scale_out.py"), "--engines", "ddp,zero2",
+                           "--warmup", "1", "--iterations", "1", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    ddp, zero2 = results["ddp"][0], results["zero2"][0]
+    assert ddp["engine"] == "MULTI_CPU" and zero2["engine"] == "DEEPSPEED"
+    assert zero2["optimizer_state_mb"] / ddp["optimizer_state_mb"] == pytest.approx(0.5, abs=0.01)
+    assert zero2["trained_parameters_mb"] == pytest.approx(ddp["trained_parameters_mb"])
+    assert ddp["seconds_per_iteration"] > 0 and "| zero2 (DEEPSPEED) |" in (tmp_path / "results.md").read_text()
