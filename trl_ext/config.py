@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._trl import PPOConfigBase
-from .core import KL_CONTROLLERS, KL_ESTIMATORS
+from .core import KL_CONTROLLERS, KL_ESTIMATORS, SAMPLER_CORRECTION_MODES
 
 STOP_TOKENS = ("eos", "none")
 VALUE_MODEL_INITS = ("given", "reward_model", "policy")
@@ -150,6 +150,25 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "'left': keep the head and the last tokens that fit in max_prompt_length; 'drop': drop the "
                   "prompt. Counts are logged."},
     )
+    vllm_importance_sampling_correction: bool = field(
+        default=False,
+        metadata={"help": "Weight the policy loss by π_old / π_sampler of each sampled token, truncated or masked "
+                  "(TRL's GRPO field: truncated importance sampling for a sampler that is not exactly the trained "
+                  "policy). trl_ext samples with HF generate, whose log-probs are recorded beside the trainer's: in "
+                  "fp32 they agree to ~1e-6, so off by default; under bf16 the mismatch is larger "
+                  "(rollout/sampler_logprob_diff_*)."},
+    )
+    vllm_importance_sampling_mode: str = field(
+        default="sequence_mask",
+        metadata={"help": "'token_truncate', 'token_mask', 'sequence_truncate' or 'sequence_mask' (TRL's default): "
+                  "a weight per token or one per sequence, clipped to [clip_min, clip_max] or set to 0 outside it."},
+    )
+    vllm_importance_sampling_clip_max: float | None = field(
+        default=3.0, metadata={"help": "Upper bound of the importance weights (None: none)."},
+    )
+    vllm_importance_sampling_clip_min: float | None = field(
+        default=None, metadata={"help": "Lower bound of the importance weights (None: none)."},
+    )
     alarms: bool = field(
         default=True,
         metadata={"help": "Watch the metrics for PPO's failure modes and warn (trl_ext/alarms.py)."},
@@ -208,6 +227,17 @@ class PPOConfig(PPOConfigBase):
               f"value_head_init={self.value_head_init!r} is not one of {VALUE_HEAD_INITS} (or None).")
         check(self.critic_learning_rate is None or self.critic_learning_rate > 0,
               f"critic_learning_rate={self.critic_learning_rate} must be > 0, or None to use learning_rate.")
+        check(self.vllm_importance_sampling_mode in SAMPLER_CORRECTION_MODES,
+              f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
+              f"{SAMPLER_CORRECTION_MODES}.")
+        low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
+        check(low is not None or high is not None,
+              "vllm_importance_sampling_clip_min and _clip_max are both None: set clip_max (TRL's default: 3.0).")
+        check(high is None or high > 0,
+              f"vllm_importance_sampling_clip_max={high} must be > 0 (typical: 3.0), or None.")
+        check(low is None or low >= 0, f"vllm_importance_sampling_clip_min={low} must be >= 0, or None.")
+        check(low is None or high is None or low < high,
+              f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}.")
         if isinstance(self.alarm_thresholds, str):
             try:
                 self.alarm_thresholds = json.loads(self.alarm_thresholds)

@@ -10,6 +10,7 @@ Shapes: B = rollouts on this process, T = response length.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -108,7 +109,28 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
     }
     if r.sampler_logprobs is not None:
         out.update(sampler_metrics(r.sampler_logprobs, r.logprobs, mask, gather))
+    if r.sampler_weights is not None:
+        out.update(sampler_weight_metrics(r.sampler_weights, mask, gather))
     return out
+
+
+def sampler_weight_metrics(weights: torch.Tensor, mask: torch.Tensor, gather: Gather = _identity) -> dict:
+    """TRL's `sampling/importance_sampling_ratio/{min,mean,max}` of the sampler correction's weights
+    (`core.sampler_correction_weights`) over the real tokens of all processes (a sequence mode's one weight per row
+    counts once per token), and `sampling/importance_sampling_masked`: the share of real tokens whose weight is 0."""
+    w = weights.double()[mask]
+    empty = w.numel() == 0
+    stats = torch.stack([torch.tensor(float(w.numel()), dtype=torch.float64, device=weights.device),
+                         w.sum(), (w == 0).sum().double(),
+                         w.min() if not empty else torch.tensor(math.inf, dtype=torch.float64, device=weights.device),
+                         w.max() if not empty else torch.tensor(-math.inf, dtype=torch.float64,
+                                                                device=weights.device)])
+    rows = gather(stats[None])  # (processes, 5)
+    n = rows[:, 0].sum().clamp(min=1)
+    return {"sampling/importance_sampling_ratio/min": rows[:, 3].min().item(),
+            "sampling/importance_sampling_ratio/mean": (rows[:, 1].sum() / n).item(),
+            "sampling/importance_sampling_ratio/max": rows[:, 4].max().item(),
+            "sampling/importance_sampling_masked": (rows[:, 2].sum() / n).item()}
 
 
 def sampler_metrics(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor,

@@ -26,6 +26,8 @@ class Rollout:
     returns: torch.Tensor  # (B, T) raw GAE advantages + values (the value target)
     source_scores: torch.Tensor | None = None  # (B, S) raw score of each reward source (PPOTrainer.reward_scorer.names)
     sampler_logprobs: torch.Tensor | None = None  # (B, T) the sampler's own log-probs of the tokens; 0 outside the mask
+    sampler_weights: torch.Tensor | None = None  # (B, T) π_old / π_sampler, truncated or masked (the policy loss's
+    # per-token weights when vllm_importance_sampling_correction is on; core.sampler_correction_weights); 0 outside
 
     def __len__(self) -> int:
         return self.queries.shape[0]

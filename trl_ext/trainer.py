@@ -49,6 +49,7 @@ from .core import (
     masked_mean,
     masked_whiten,
     response_mask_from_stop,
+    sampler_correction_weights,
     shape_rewards,
     token_logprobs,
 )
@@ -664,10 +665,16 @@ class PPOTrainer(PPOTrainerBase):
         # 7. advantages and returns (GAE), advantages whitened over real tokens
         advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
         advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
+        sampler_logprobs = sampler_logprobs.to(logprobs.device) * response_mask
+        sampler_weights = None
+        if args.vllm_importance_sampling_correction:  # π_old / π_sampler, truncated or masked (core.losses)
+            sampler_weights = sampler_correction_weights(
+                logprobs, sampler_logprobs, response_mask, args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
         return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
                        logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
                        rewards=rewards, advantages=advantages, returns=returns, source_scores=source_scores,
-                       sampler_logprobs=sampler_logprobs.to(logprobs.device) * response_mask)
+                       sampler_logprobs=sampler_logprobs, sampler_weights=sampler_weights)
 
     # ------------------------------------------------------------------------------------------------ update
     def _backward(self, loss: torch.Tensor) -> None:
@@ -763,7 +770,7 @@ class PPOTrainer(PPOTrainerBase):
             entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
                                   micro.response_mask)
         pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
-                                                args.cliprange, num_tokens)
+                                                args.cliprange, num_tokens, weights=micro.sampler_weights)
         return pg_loss, pg_stats, entropy
 
     def _value_terms(self, values: torch.Tensor, micro: Rollout, num_tokens):

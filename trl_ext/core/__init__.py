@@ -7,10 +7,12 @@ from .advantages import compute_gae, explained_variance
 from .kl import KL_ESTIMATORS, estimate_kl
 from .kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, make_kl_controller
 from .losses import (
+    SAMPLER_CORRECTION_MODES,
     clipped_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
     logprobs_from_logits,
+    sampler_correction_weights,
     token_logprobs,
     token_mean,
 )
@@ -25,6 +27,7 @@ from .masks import (
 from .rewards import shape_rewards
 
 __all__ = [
+    "SAMPLER_CORRECTION_MODES",
     "AdaptiveKLController",
     "FixedKLController",
     "KL_CONTROLLERS",
@@ -38,6 +41,7 @@ __all__ = [
     "explained_variance",
     "last_true_index",
     "logprobs_from_logits",
+    "sampler_correction_weights",
     "make_kl_controller",
     "masked_mean",
     "masked_var",

@@ -33,6 +33,54 @@ def _check_same_shape(response_mask: torch.Tensor, **tensors: torch.Tensor) -> N
                              f"{tuple(response_mask.shape)}; they must match")
 
 
+SAMPLER_CORRECTION_MODES = ("token_truncate", "token_mask", "sequence_truncate", "sequence_mask")
+
+
+def sampler_correction_weights(
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    mode: str = "sequence_mask",
+    clip_min: float | None = None,
+    clip_max: float | None = 3.0,
+) -> torch.Tensor:
+    """Importance weights for tokens drawn by a sampler that is not exactly the trainer's policy (vLLM, or generate
+    under bf16): w = π_old / π_sampler, truncated or masked (TRL's `vllm_importance_sampling_*`; Yao et al. 2025,
+    "Your efficient RL framework secretly brings you off-policy RL training": truncated importance sampling).
+
+    # token_*: w_t = exp(log π_old(y_t) − log π_sampler(y_t)); sequence_*: w = exp(Σ_t over real tokens of the same),
+    # one weight for the whole row. *_truncate: clamp(w, clip_min, clip_max); *_mask: w outside [clip_min, clip_max]
+    # set to 0 (the token or the sequence leaves the loss).
+
+    Args:
+        logprobs: (B, T) log π_old of the sampled tokens (the trainer's, from rollout time).
+        sampler_logprobs: (B, T) the sampler's log-probs of the same tokens.
+        response_mask: (B, T) bool.
+        mode: one of SAMPLER_CORRECTION_MODES.
+        clip_min, clip_max: bounds (None: unbounded on that side; at least one must be set).
+
+    Returns:
+        (B, T) detached weights, 0 outside the mask.
+    """
+    if mode not in SAMPLER_CORRECTION_MODES:
+        raise ValueError(f"mode={mode!r} is not one of {SAMPLER_CORRECTION_MODES}")
+    if clip_min is None and clip_max is None:
+        raise ValueError("clip_min and clip_max are both None: set clip_max (typical: 3.0) and/or clip_min")
+    _check_same_shape(response_mask, logprobs=logprobs, sampler_logprobs=sampler_logprobs)
+    with torch.no_grad():
+        log_w = torch.where(response_mask, logprobs.double() - sampler_logprobs.double(), 0)
+        if mode.startswith("sequence"):
+            log_w = log_w.sum(dim=1, keepdim=True).expand_as(log_w)
+        w = torch.exp(log_w)
+        low = -float("inf") if clip_min is None else clip_min
+        high = float("inf") if clip_max is None else clip_max
+        if mode.endswith("truncate"):
+            w = w.clamp(min=low, max=high)
+        else:
+            w = torch.where((w < low) | (w > high), 0.0, w)
+        return torch.where(response_mask, w, 0.0).to(logprobs.dtype)
+
+
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,
@@ -40,6 +88,7 @@ def clipped_policy_loss(
     response_mask: torch.Tensor,
     cliprange: float,
     num_tokens=None,
+    weights: torch.Tensor | None = None,
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip policy loss: token mean of max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ = π_θ / π_old.
 
@@ -52,6 +101,7 @@ def clipped_policy_loss(
         response_mask: (B, T) bool.
         cliprange: ε > 0.
         num_tokens: the denominator of the token mean (`token_mean`); None: this batch's real tokens.
+        weights: (B, T) per-token weights of the loss (`sampler_correction_weights`); None: all 1.
 
     Returns:
         loss: 0-dim, differentiable.
@@ -71,6 +121,9 @@ def clipped_policy_loss(
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
     per_token = torch.max(pg_losses, pg_losses2)
+    if weights is not None:
+        _check_same_shape(response_mask, weights=weights)
+        per_token = per_token * weights.detach()
     loss = token_mean(per_token, response_mask, num_tokens)
     with torch.no_grad():
         ratio_d = ratio.detach()
