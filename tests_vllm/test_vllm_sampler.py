@@ -52,3 +52,31 @@ def test_engine_logprobs_are_the_trainers_before_and_after_a_sync(lora, tmp_path
     assert stale > 1e-2, "the update does not change the log-probs: the test would not see a missed sync"
     sampler.sync(policy)
     check(sampler, policy, tok)
+
+
+def test_engine_on_the_embedded_smollm2():
+    """SmolLM2-135M-Instruct (trl_ext.embedded), fp32, chat prompts, stopping at its EOS: the engine's log-probs of
+    its tokens are the trainer's to 1e-4, before and after syncing a LoRA update."""
+    from trl_ext.embedded import load_smollm2
+    from trl_ext.core import response_mask_from_stop
+
+    model, tok = load_smollm2()
+    policy = get_peft_model(model.eval(), LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))
+    tok.padding_side = "left"
+    texts = [tok.apply_chat_template([{"role": "user", "content": c}], tokenize=False, add_generation_prompt=True)
+             for c in ("Say hello.", "Name a colour.", "What is 2 + 2?", "Write one word.")]
+    batch = tok(texts, return_tensors="pt", padding=True)
+    queries, query_mask = batch["input_ids"], batch["attention_mask"].bool()
+    sampler = VLLMSampler(policy, tok, Sampling(16, 1.0, tok.eos_token_id), dtype=torch.float32, seed=0,
+                          max_model_len=256, kv_cache_gb=0.25, max_lora_rank=8)
+    for step in range(2):
+        sampler.sync(policy)
+        responses, logprobs = sampler.generate(queries, query_mask, seeds=[10, 11, 12, 13])
+        mask = response_mask_from_stop(responses, tok.eos_token_id)
+        inputs = sequence_inputs(queries, query_mask, responses, mask)
+        ours = response_logprobs(policy, inputs, responses, 1.0) * mask
+        assert (ours - logprobs * mask).abs().max().item() < 1e-4, step
+        with torch.no_grad():
+            for p in policy.parameters():
+                if p.requires_grad:
+                    p.add_(0.01 * torch.randn_like(p))

@@ -40,3 +40,26 @@ def test_ppo_with_vllm_rollouts_learns_like_hf_generation(tmp_path):
     (vllm_first, vllm_last), (hf_first, hf_last) = results[True], results[False]
     assert vllm_first < 0.3 and hf_first < 0.3, results  # about 0.1: 8 of 73 tokens pay
     assert vllm_last > 0.6 and vllm_last > hf_last - 0.15, results
+
+
+def test_lora_policy_stopping_at_eos(tmp_path):
+    """A LoRA policy (the engine serves the base, the adapter synced as a new LoRA request each iteration), stopping
+    at EOS with the missing-EOS penalty: the engine's log-probs stay the trainer's over the real tokens while the
+    adapter trains, and responses that stopped end at their EOS."""
+    from peft import LoraConfig
+
+    tok = tiny_tokenizer()
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, total_episodes=8 * 4,
+                     learning_rate=3e-2, num_ppo_epochs=2, response_length=16, logging_steps=1, report_to=[],
+                     save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True, seed=0,
+                     use_vllm=True, vllm_kv_cache_gb=0.05, missing_eos_penalty=1.0)
+    t = PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok, **SIZE), ref_model=None,
+                   reward_model=reward, train_dataset=tiny_prompt_dataset(tok, 16),
+                   value_model=tiny_scalar_model(tok, **SIZE),
+                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    t.train()
+    logs = [h for h in t.state.log_history if "objective/scores" in h]
+    assert t.vllm.lora_request is not None and t.vllm.syncs == 4
+    assert max(log["rollout/sampler_logprob_diff_max"] for log in logs) < 1e-4
+    assert min(log["rollout/truncation_rate"] for log in logs) < 1.0  # some responses stopped at EOS
+    assert logs[-1]["objective/kl"] != 0.0  # the adapter moved the policy away from the base

@@ -485,6 +485,7 @@ class PPOTrainer(PPOTrainerBase):
         dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(policy.parameters()).dtype
         sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
         rank = max((getattr(c, "r", 0) for c in getattr(policy, "peft_config", {}).values()), default=8)
+        rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)  # vLLM's allowed max_lora_rank
         return VLLMSampler(policy, self.processing_class, sampling, dtype=dtype, seed=self.local_seed,
                            max_model_len=max_len, gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                            tensor_parallel_size=args.vllm_tensor_parallel_size,
