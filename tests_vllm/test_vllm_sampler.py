@@ -57,8 +57,8 @@ def test_engine_logprobs_are_the_trainers_before_and_after_a_sync(lora, tmp_path
 def test_engine_on_the_embedded_smollm2():
     """SmolLM2-135M-Instruct (trl_ext.embedded), fp32, chat prompts, stopping at its EOS: the engine's log-probs of
     its tokens are the trainer's to 1e-4, before and after syncing a LoRA update."""
-    from trl_ext.embedded import load_smollm2
     from trl_ext.core import response_mask_from_stop
+    from trl_ext.embedded import load_smollm2
 
     model, tok = load_smollm2()
     policy = get_peft_model(model.eval(), LoraConfig(r=8, target_modules="all-linear", init_lora_weights=False))

@@ -179,13 +179,12 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "vLLM's context length (prompt + response). None: max_prompt_length + response_length, or "
                   "the model's max_position_embeddings."},
     )
-    vllm_importance_sampling_correction: bool = field(
-        default=False,
+    vllm_importance_sampling_correction: bool | None = field(
+        default=None,
         metadata={"help": "Weight the policy loss by π_old / π_sampler of each sampled token, truncated or masked "
                   "(TRL's GRPO field: truncated importance sampling for a sampler that is not exactly the trained "
-                  "policy). trl_ext samples with HF generate, whose log-probs are recorded beside the trainer's: in "
-                  "fp32 they agree to ~1e-6, so off by default; under bf16 the mismatch is larger "
-                  "(rollout/sampler_logprob_diff_*)."},
+                  "policy). Unset: on with use_vllm (TRL's default), off with HF generate, whose fp32 log-probs "
+                  "agree with the trainer's to ~1e-6 (rollout/sampler_logprob_diff_*); it applies to either."},
     )
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask",
@@ -209,6 +208,8 @@ class PPOConfig(PPOConfigBase):
     )
 
     def __post_init__(self):
+        if self.vllm_importance_sampling_correction is None:
+            self.vllm_importance_sampling_correction = self.use_vllm
         if self.bf16 is None:
             self.bf16 = (not self.fp16) and _bf16_available()
         self._validate()

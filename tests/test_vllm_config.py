@@ -1,0 +1,42 @@
+"""use_vllm's config and its errors where vLLM is not installed (the engine itself: tests_vllm/, CI environment 3)."""
+
+import pytest
+
+from trl_ext import PPOConfig, PPOTrainer
+from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+from trl_ext.vllm_sampler import vllm_available
+
+
+def test_the_sampler_correction_follows_use_vllm_unless_set(tmp_path):
+    assert PPOConfig(output_dir=str(tmp_path)).vllm_importance_sampling_correction is False
+    assert PPOConfig(output_dir=str(tmp_path), use_vllm=True).vllm_importance_sampling_correction is True
+    assert PPOConfig(output_dir=str(tmp_path), use_vllm=True,
+                     vllm_importance_sampling_correction=False).vllm_importance_sampling_correction is False
+    assert PPOConfig(output_dir=str(tmp_path),
+                     vllm_importance_sampling_correction=True).vllm_importance_sampling_correction is True
+
+
+@pytest.mark.parametrize("field, value, match", [
+    ("vllm_mode", "server", "colocated with the trainer only"),
+    ("vllm_gpu_memory_utilization", 1.5, "must be in \\(0, 1\\]"),
+    ("vllm_kv_cache_gb", 0, "must be > 0 GiB"),
+    ("vllm_tensor_parallel_size", 0, "must be >= 1"),
+    ("vllm_max_model_length", 4, "must exceed response_length"),
+])
+def test_vllm_config_errors(tmp_path, field, value, match):
+    with pytest.raises(ValueError, match=match):
+        PPOConfig(output_dir=str(tmp_path), response_length=8, **{field: value})
+
+
+def test_use_vllm_without_vllm_installed_says_how_to_install(tmp_path):
+    tok = tiny_tokenizer()
+    build = lambda: PPOTrainer(  # noqa: E731
+        args=PPOConfig(output_dir=str(tmp_path), use_vllm=True, per_device_train_batch_size=2, total_episodes=2,
+                       report_to=[], save_strategy="no", bf16=False, disable_tqdm=True),
+        processing_class=tok, model=tiny_causal_lm(tok), ref_model=None, reward_model=tiny_scalar_model(tok),
+        train_dataset=tiny_prompt_dataset(tok, 2), value_model=tiny_scalar_model(tok))
+    if vllm_available():  # (the vLLM environment runs tests_vllm/, where the engine is tested)
+        assert build().vllm is not None
+    else:
+        with pytest.raises(ImportError, match="vLLM is not installed: `pip install 'trl-ext\\[vllm\\]'`"):
+            build()
