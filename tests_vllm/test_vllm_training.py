@@ -3,6 +3,8 @@ budget, with the engine's log-probs recorded beside the trainer's. Run in the vL
 
 import math
 
+import torch
+
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
@@ -63,3 +65,40 @@ def test_lora_policy_stopping_at_eos(tmp_path):
     assert max(log["rollout/sampler_logprob_diff_max"] for log in logs) < 1e-4
     assert min(log["rollout/truncation_rate"] for log in logs) < 1.0  # some responses stopped at EOS
     assert logs[-1]["objective/kl"] != 0.0  # the adapter moved the policy away from the base
+
+
+def test_resume_with_vllm_gives_the_uninterrupted_run(tmp_path):
+    """Rollouts are seeded per request from (seed, process, iteration, row) and the engine gets the policy's weights
+    before each one, so a run resumed from a checkpoint (a fresh engine built from the restored policy) draws what the
+    uninterrupted run drew: bit-identical weights and logs."""
+    from transformers import TrainerCallback
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                control.should_training_stop = True
+
+    def make(out, **kw):
+        tok = tiny_tokenizer()
+        args = PPOConfig(output_dir=str(out), per_device_train_batch_size=8, total_episodes=8 * 3,
+                         learning_rate=1e-2, num_ppo_epochs=1, response_length=4, logging_steps=1, report_to=[],
+                         num_sample_generations=0, bf16=False, disable_tqdm=True, seed=0, use_vllm=True,
+                         vllm_kv_cache_gb=0.05, stop_token="none", **kw)
+        return PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok, **SIZE), ref_model=None,
+                          reward_model=reward, train_dataset=tiny_prompt_dataset(tok, 16),
+                          value_model=tiny_scalar_model(tok, **SIZE))
+
+    straight = make(tmp_path / "a", save_strategy="no")
+    straight.train()
+    first = make(tmp_path / "b", save_strategy="steps", save_steps=1)
+    first.add_callback(StopAt())
+    first.train()
+    resumed = make(tmp_path / "b", save_strategy="steps", save_steps=1)
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-1"))
+    for p, q in zip(resumed.unwrapped.parameters(), straight.unwrapped.parameters()):
+        assert torch.equal(p, q)
+
+    def logs(t):
+        return [{k: v for k, v in h.items() if k != "eps"} for h in t.state.log_history if "objective/scores" in h]
+
+    assert logs(resumed) == logs(straight) and len(logs(straight)) == 3
