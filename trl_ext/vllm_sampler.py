@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 import shutil
 import tempfile
+import weakref
 
 import torch
 from torch import nn
@@ -44,6 +45,7 @@ class VLLMSampler:
         self.sampling, self.tokenizer, self.seed = sampling, tokenizer, seed
         self.is_peft = hasattr(policy, "peft_config")
         self.folder = tempfile.mkdtemp(prefix="trl_ext_vllm_")
+        weakref.finalize(self, shutil.rmtree, self.folder, True)  # the engine's copy of the model goes with it
         base = _underlying(policy)
         if self.is_peft:  # the engine holds the base; the adapter comes with each request
             base.save_pretrained(os.path.join(self.folder, "base"), state_dict=_base_state(policy))
