@@ -40,3 +40,16 @@ def test_use_vllm_without_vllm_installed_says_how_to_install(tmp_path):
     else:
         with pytest.raises(ImportError, match="vLLM is not installed: `pip install 'trl-ext\\[vllm\\]'`"):
             build()
+
+
+def test_sleep_mode_on_cpu_is_refused_before_any_engine_starts(tmp_path):
+    """vLLM has no sleep mode on CPU (its config refuses it; its CPU worker would ignore sleep()): the trainer says so
+    at construction, with the fix, whether or not vLLM is installed."""
+    tok = tiny_tokenizer()
+    with pytest.raises(ValueError, match="vllm_enable_sleep_mode=True needs a GPU: vLLM has no sleep mode on cpu"):
+        PPOTrainer(args=PPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_enable_sleep_mode=True,
+                                  per_device_train_batch_size=2, total_episodes=2, report_to=[], save_strategy="no",
+                                  bf16=False, disable_tqdm=True),
+                   processing_class=tok, model=tiny_causal_lm(tok), ref_model=None,
+                   reward_model=tiny_scalar_model(tok), train_dataset=tiny_prompt_dataset(tok, 2),
+                   value_model=tiny_scalar_model(tok))

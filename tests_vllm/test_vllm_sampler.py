@@ -54,6 +54,49 @@ def test_engine_logprobs_are_the_trainers_before_and_after_a_sync(lora, tmp_path
     check(sampler, policy, tok)
 
 
+def _within(seconds, fn):
+    """fn() in a daemon thread: a generate sent to a sleeping (paused) engine would wait forever."""
+    import threading
+
+    result = {}
+    thread = threading.Thread(target=lambda: result.setdefault("value", fn()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert "value" in result, f"no answer within {seconds} s: the engine was left asleep"
+    return result["value"]
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_sync_versions_and_sleep_between_rollouts(lora):
+    """sync(policy, version) is a no-op for the version the engine holds. With sleep on (GPU: vllm_enable_sleep_mode),
+    the engine sleeps after each generation and wakes for the next sync and generation; level 2 (full model) drops
+    the weights, so the same version is reloaded. vLLM's CPU engine refuses enable_sleep_mode but pauses its
+    scheduler on sleep() (its worker keeps its memory): here the order of the calls is checked, not the memory."""
+    tok = tiny_tokenizer()
+    policy = tiny_causal_lm(tok, seed=0, **SIZE).eval()
+    if lora:
+        policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
+                                                   init_lora_weights=False))
+    sampler = VLLMSampler(policy, tok, Sampling(6, TEMPERATURE, None), dtype=torch.float32, seed=0, max_model_len=64,
+                          kv_cache_gb=0.05, max_lora_rank=8)
+    sampler.sync(policy, version=0)
+    sampler.sync(policy, version=0)
+    assert sampler.syncs == 1
+    sampler.sleep_level = 1 if lora else 2  # what enable_sleep_mode sets on a GPU
+    _within(120, lambda: check(sampler, policy, tok))
+    assert sampler.sleeping == {"weights", "kv_cache"} and sampler.llm.llm_engine.is_sleeping()
+    sampler.sync(policy, version=0)
+    assert sampler.syncs == (1 if lora else 2)  # level 1 keeps the weights; level 2 must reload them
+    assert sampler.sleeping == ({"weights", "kv_cache"} if lora else {"kv_cache"})  # woken for the reload only
+    with torch.no_grad():
+        for p in policy.parameters():
+            if p.requires_grad:
+                p.add_(0.3 * torch.randn_like(p))
+    sampler.sync(policy, version=1)
+    _within(120, lambda: check(sampler, policy, tok))  # the update is what the engine samples after waking
+    assert sampler.llm.llm_engine.is_sleeping()
+
+
 def test_engine_on_the_embedded_smollm2():
     """SmolLM2-135M-Instruct (trl_ext.embedded), fp32, chat prompts, stopping at its EOS: the engine's log-probs of
     its tokens are the trainer's to 1e-4, before and after syncing a LoRA update."""

@@ -102,3 +102,35 @@ def test_resume_with_vllm_gives_the_uninterrupted_run(tmp_path):
         return [{k: v for k, v in h.items() if k != "eps"} for h in t.state.log_history if "objective/scores" in h]
 
     assert logs(resumed) == logs(straight) and len(logs(straight)) == 3
+
+
+def test_evaluation_samples_policy_and_reference_in_the_engine_paired(tmp_path):
+    """A LoRA policy's reference is the engine's base without the adapter: evaluation samples both there with the same
+    seed per row. Before training they are the same model, so the completions are identical and eval/kl is 0; after
+    training the adapter changes them. The engine syncs once per optimizer step, not per call."""
+    from peft import LoraConfig
+
+    tok = tiny_tokenizer()
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, total_episodes=8 * 3,
+                     learning_rate=3e-2, num_ppo_epochs=2, response_length=6, logging_steps=1, report_to=[],
+                     save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True, seed=0,
+                     use_vllm=True, vllm_kv_cache_gb=0.05, stop_token="none", eval_strategy="steps", eval_steps=3,
+                     per_device_eval_batch_size=4)
+    t = PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok, **SIZE), ref_model=None,
+                   reward_model=reward, train_dataset=tiny_prompt_dataset(tok, 16),
+                   eval_dataset=tiny_prompt_dataset(tok, 8), value_model=tiny_scalar_model(tok, **SIZE),
+                   peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
+    assert t._vllm_samples_reference
+    before = t.paired_completions(tiny_prompt_dataset(tok, 8), seed=5)
+    assert all(r["policy"] == r["reference"] for r in before) and t.vllm.syncs == 1
+    assert len({r["policy"] for r in before}) > 1  # sampled, not one greedy answer
+    metrics = t.evaluate_policy()
+    assert metrics["eval/kl"] == 0.0 and metrics["eval/win_rate_vs_ref"] == 0.5 and t.vllm.syncs == 1
+    t.train()
+    assert t.vllm.syncs == 4  # + the rollouts of steps 1, 2 and the evaluation after step 3 (step 0's weights: held)
+    after = t.paired_completions(tiny_prompt_dataset(tok, 8), seed=5)
+    assert t.vllm.syncs == 4
+    assert [r["reference"] for r in after] == [r["reference"] for r in before]  # the base did not move
+    assert any(r["policy"] != r["reference"] for r in after)
+    evals = [h for h in t.state.log_history if "eval/kl" in h]
+    assert len(evals) == 1 and evals[0]["eval/kl"] != 0.0

