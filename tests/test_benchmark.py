@@ -135,3 +135,20 @@ def test_scale_out_benchmark_measures_the_sharding(tmp_path):
     assert zero2["optimizer_state_mb"] / ddp["optimizer_state_mb"] == pytest.approx(0.5, abs=0.01)
     assert zero2["trained_parameters_mb"] == pytest.approx(ddp["trained_parameters_mb"])
     assert ddp["seconds_per_iteration"] > 0 and "| zero2 (DEEPSPEED) |" in (tmp_path / "results.md").read_text()
+
+
+def test_ppo_variants_benchmark_runs_and_reads_each_variants_diagnostic(tmp_path):
+    """benchmarks/ppo_variants.py end to end on two variants, one seed, 3 iterations: its table holds both rows, and
+    the dual-clip row reports its clip fraction while the defaults' row has none to report."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "ppo_variants.py"), "--seeds", "1", "--steps",
+                           "3", "--only", "TRL 1.12 PPO (defaults)", "dual-clip (c = 3)", "--out", str(tmp_path)],
+                          capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    results = json.loads((tmp_path / "results.json").read_text())["results"]
+    assert set(results) == {"TRL 1.12 PPO (defaults)", "dual-clip (c = 3)"}
+    assert results["TRL 1.12 PPO (defaults)"]["policy/clipfrac_dual_avg"] is None
+    assert results["dual-clip (c = 3)"]["policy/clipfrac_dual_avg"] is not None
+    assert "| dual-clip (c = 3) |" in (tmp_path / "results.md").read_text()

@@ -348,12 +348,12 @@ def test_token_mean_with_a_minibatch_count():
     old = torch.full((2, 3), -1.0)
     log_ratio = torch.tensor([[math.log(1.5), 0.0, 50.0], [math.log(0.9), 0.0, 0.0]])
     adv = torch.tensor([[1.0, 1.0, float("nan")], [1.0, 1.0, 1.0]])
-    loss, stats = clipped_policy_loss(old + log_ratio, old, adv, mask, 0.2, num_tokens=10)
+    loss, stats = clipped_policy_loss(old + log_ratio, old, adv, mask, 0.2, denominator=10)
     assert loss.item() == pytest.approx(-5.1 / 10)
     assert stats["loss"].item() == pytest.approx(-1.02)  # the logged value stays this batch's own token mean
     vloss, vstats = clipped_value_loss(torch.tensor([[0.5, 2.0, 0.1]]), torch.zeros(1, 3),
                                        torch.tensor([[1.0, 1.0, -1.0]]), torch.ones(1, 3, dtype=torch.bool), 0.2,
-                                       num_tokens=6)
+                                       denominator=6)
     assert vloss.item() == pytest.approx(0.5 * 2.85 / 6) and vstats["loss"].item() == pytest.approx(0.475)
 
 

@@ -22,7 +22,7 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 import token_mean_runs as runs  # noqa: E402
 
-from trl_ext.testing import tiny_prompt_dataset, tiny_tokenizer  # noqa: E402
+from trl_ext.testing import tiny_tokenizer  # noqa: E402
 
 B = 8
 
@@ -65,16 +65,7 @@ def reference_update(rollout, minibatches, cliprange=0.2, cliprange_value=0.2, p
 @pytest.fixture(scope="module")
 def rollout(tmp_path_factory):
     """A fixed rollout of 8 prompts with ragged responses (from the trainer's own rollout)."""
-    tok = tiny_tokenizer()
-    policy, value = runs.models(tok)
-    dataset = tiny_prompt_dataset(tok, n=B, seed=4)
-    t = runs.trainer(str(tmp_path_factory.mktemp("rollout")), tok, policy, value, rows=B, ga=1, dataset=dataset)
-    batch = next(iter(t.dataloader))
-    torch.manual_seed(3)
-    r = t.rollout(batch["input_ids"], batch["attention_mask"])
-    lengths = r.response_mask.sum(1)
-    assert len(set(lengths.tolist())) >= 3, f"responses not ragged enough: {lengths.tolist()}"
-    return r
+    return runs.ragged_rollout(str(tmp_path_factory.mktemp("rollout")), B)
 
 
 def trainer_update(tmp_path, rollout, ga, minibatches=1, seed=0):

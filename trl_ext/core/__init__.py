@@ -3,18 +3,23 @@
 Shapes: B = batch, T = response length, V = vocab. `response_mask` is bool (B, T), True = a real response
 token, left-aligned (real tokens are a prefix of each row).
 """
-from .advantages import compute_gae, explained_variance
+from .advantages import compute_gae, explained_variance, length_adaptive_lam
 from .kl import KL_ESTIMATORS, estimate_kl
 from .kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, make_kl_controller
 from .losses import (
+    LOSS_AGG_MODES,
     SAMPLER_CORRECTION_MODES,
+    VALUE_LOSS_TYPES,
+    aggregate_loss,
     clipped_policy_loss,
     clipped_value_loss,
     entropy_from_logits,
     logprobs_from_logits,
+    loss_denominator,
     sampler_correction_weights,
     token_logprobs,
     token_mean,
+    value_loss,
 )
 from .masks import (
     check_response_mask,
@@ -27,7 +32,10 @@ from .masks import (
 from .rewards import shape_rewards
 
 __all__ = [
+    "LOSS_AGG_MODES",
     "SAMPLER_CORRECTION_MODES",
+    "VALUE_LOSS_TYPES",
+    "aggregate_loss",
     "AdaptiveKLController",
     "FixedKLController",
     "KL_CONTROLLERS",
@@ -40,7 +48,9 @@ __all__ = [
     "estimate_kl",
     "explained_variance",
     "last_true_index",
+    "length_adaptive_lam",
     "logprobs_from_logits",
+    "loss_denominator",
     "sampler_correction_weights",
     "make_kl_controller",
     "masked_mean",
@@ -50,4 +60,5 @@ __all__ = [
     "shape_rewards",
     "token_logprobs",
     "token_mean",
+    "value_loss",
 ]

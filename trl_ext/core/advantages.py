@@ -13,7 +13,7 @@ def compute_gae(
     values: torch.Tensor,
     response_mask: torch.Tensor,
     gamma: float,
-    lam: float,
+    lam: float | torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """Raw (not whitened) GAE advantages and value targets.
 
@@ -27,7 +27,7 @@ def compute_gae(
         values: (B, T) value estimates V_t.
         response_mask: (B, T) bool, left-aligned.
         gamma: discount γ in [0, 1].
-        lam: GAE λ in [0, 1].
+        lam: GAE λ in [0, 1], one for all rows or a (B,) tensor of one per row (`length_adaptive_lam`).
 
     Returns:
         advantages: (B, T), 0 outside the mask.
@@ -37,9 +37,16 @@ def compute_gae(
     if rewards.shape != values.shape:
         raise ValueError(f"rewards has shape {tuple(rewards.shape)} but values has {tuple(values.shape)}; "
                          "they must match")
-    for name, x in (("gamma", gamma), ("lam", lam)):
-        if not 0.0 <= x <= 1.0:
-            raise ValueError(f"{name}={x} is outside [0, 1]; pick a value in [0, 1]")
+    if not 0.0 <= gamma <= 1.0:
+        raise ValueError(f"gamma={gamma} is outside [0, 1]; pick a value in [0, 1]")
+    if isinstance(lam, torch.Tensor):
+        if lam.shape != values.shape[:1]:
+            raise ValueError(f"lam has shape {tuple(lam.shape)}; a per-row λ must be ({values.shape[0]},)")
+        if not ((lam >= 0) & (lam <= 1)).all():
+            raise ValueError(f"lam has values outside [0, 1]: min {lam.min().item()}, max {lam.max().item()}")
+        lam = lam.to(values.dtype)
+    elif not 0.0 <= lam <= 1.0:
+        raise ValueError(f"lam={lam} is outside [0, 1]; pick a value in [0, 1]")
     values = torch.where(response_mask, values, 0)
     rewards = torch.where(response_mask, rewards, 0)
     T = values.shape[1]
@@ -53,6 +60,24 @@ def compute_gae(
         next_value = values[:, t]
     returns = advantages + values
     return advantages, returns
+
+
+def length_adaptive_lam(response_mask: torch.Tensor, alpha: float) -> torch.Tensor:
+    """λ_policy of each row from its length l (real tokens): 1 − 1/(α·l), at least 0 (VAPO, Yue et al. 2025,
+    https://arxiv.org/abs/2504.05118, eq. 8; α = 0.05 there): short responses get a small λ (low variance), long
+    ones a λ near 1 (the reward at the end reaches the early tokens, little bias).
+
+    Args:
+        response_mask: (B, T) bool.
+        alpha: α > 0.
+
+    Returns:
+        (B,) float32 λ in [0, 1).
+    """
+    if not alpha > 0:
+        raise ValueError(f"length_adaptive_alpha={alpha} must be > 0 (VAPO: 0.05)")
+    lengths = response_mask.sum(dim=1).float().clamp(min=1)
+    return (1 - 1 / (alpha * lengths)).clamp(min=0)
 
 
 def explained_variance(values: torch.Tensor, returns: torch.Tensor, response_mask: torch.Tensor) -> torch.Tensor:

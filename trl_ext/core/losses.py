@@ -2,10 +2,11 @@
 
 Shapes: B = batch, T = response length, V = vocab, C = chunk of positions.
 
-Losses are token means: Σ over real tokens / the number of real tokens. By default that number is this batch's own
-(masked_mean over B × T, TRL's rule); `num_tokens` gives the count of a whole minibatch spread over micro-batches and
-processes instead, so each micro-batch's loss is its share of the minibatch's token mean and the shares add up to it
-whatever the gradient accumulation and the process count.
+Losses are aggregated by `loss_agg_mode` (veRL's names; `aggregate_loss`), token means by default (TRL's rule):
+Σ over real tokens / the number of real tokens. By default the denominator is this batch's own; `denominator` gives
+that of a whole minibatch spread over micro-batches and processes instead (`loss_denominator`, summed), so each
+micro-batch's loss is its share of the minibatch's loss and the shares add up to it whatever the gradient
+accumulation and the process count.
 
 Memory: `token_logprobs` and `entropy_from_logits(chunk_size=...)` never hold a full-vocabulary fp32 tensor of
 shape (B, T, V): they work on C positions at a time, and `token_logprobs`' backward recomputes the softmax of each
@@ -24,6 +25,62 @@ def token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Te
     if num_tokens is None:
         return masked_mean(x, mask)
     return torch.where(mask, x, 0).sum() / num_tokens
+
+
+LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+
+
+def loss_denominator(response_mask: torch.Tensor, mode: str = "token-mean",
+                     max_length: int | None = None) -> torch.Tensor:
+    """The denominator D of `aggregate_loss` for this batch (0-dim float): its real tokens ("token-mean"), 1
+    ("token-sum"), its sequences ("seq-mean-token-sum", "seq-mean-token-mean") or sequences × `max_length`
+    ("seq-mean-token-sum-norm"; default the mask's width). Sum it over the micro-batches and processes of a minibatch
+    for the minibatch's D. Sequences: rows with at least one real token."""
+    _check_agg_mode(mode)
+    mask = response_mask.bool()
+    if mode == "token-mean":
+        count = mask.sum()
+    elif mode == "token-sum":
+        count = torch.ones((), device=mask.device)
+    else:
+        count = mask.any(dim=1).sum()
+        if mode == "seq-mean-token-sum-norm":
+            count = count * (mask.shape[1] if max_length is None else max_length)
+    return count.float()
+
+
+def aggregate_loss(per_token: torch.Tensor, response_mask: torch.Tensor, mode: str = "token-mean",
+                   denominator=None, max_length: int | None = None) -> torch.Tensor:
+    """Per-token losses -> one loss, Σ_b Σ_t w_bt · x_bt / D over real tokens:
+
+    # token-mean (TRL, OpenRLHF token level): w = 1, D = real tokens; token-sum: w = 1, D = 1;
+    # seq-mean-token-sum: w = 1, D = sequences; seq-mean-token-mean (GRPO's 1/|o_i|; OpenRLHF sample level):
+    # w = 1 / (the row's real tokens), D = sequences; seq-mean-token-sum-norm (Dr. GRPO, Liu et al. 2025):
+    # w = 1, D = sequences × max_length. veRL's names (verl/trainer/ppo/core_algos.py, agg_loss).
+
+    Args:
+        per_token: (B, T).
+        response_mask: (B, T) bool.
+        mode: one of LOSS_AGG_MODES.
+        denominator: D of the whole minibatch (`loss_denominator` summed over micro-batches and processes); None:
+            this batch's own.
+        max_length: T of seq-mean-token-sum-norm (default the mask's width: the response length).
+
+    Returns:
+        0-dim, differentiable.
+    """
+    if denominator is None:
+        denominator = loss_denominator(response_mask, mode, max_length)
+    mask = response_mask.bool()
+    x = torch.where(mask, per_token, 0)
+    if mode == "seq-mean-token-mean":
+        x = x / mask.sum(dim=1, keepdim=True).clamp(min=1)
+    return x.sum() / denominator
+
+
+def _check_agg_mode(mode: str) -> None:
+    if mode not in LOSS_AGG_MODES:
+        raise ValueError(f"loss_agg_mode={mode!r} is not one of {LOSS_AGG_MODES}")
 
 
 def _check_same_shape(response_mask: torch.Tensor, **tensors: torch.Tensor) -> None:
@@ -87,49 +144,76 @@ def clipped_policy_loss(
     advantages: torch.Tensor,
     response_mask: torch.Tensor,
     cliprange: float,
-    num_tokens=None,
+    denominator=None,
     weights: torch.Tensor | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip policy loss: token mean of max(−A·ρ, −A·clip(ρ, 1−ε, 1+ε)), ρ = π_θ / π_old.
+    """PPO-clip policy loss: aggregate of max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)), ρ = π_θ / π_old; with dual-clip,
+    min(that, −A·c) where A < 0.
 
     # Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7 (negated: a loss to minimise)
+    # clip-higher: ε_high > ε_low (DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476): low-probability tokens
+    #   with A > 0 can grow further before the clip stops them
+    # dual-clip (Ye et al. 2020, https://arxiv.org/abs/1912.09729): for A < 0 the loss −A·ρ is bounded by −A·c,
+    #   so a huge ratio on a bad token cannot give an unbounded step (veRL clip_ratio_c)
 
     Args:
         logprobs: (B, T) log π_θ of the sampled tokens (with grad).
         old_logprobs: (B, T) log π_old of the same tokens, from rollout time.
         advantages: (B, T).
         response_mask: (B, T) bool.
-        cliprange: ε > 0.
-        num_tokens: the denominator of the token mean (`token_mean`); None: this batch's real tokens.
+        cliprange: ε_low > 0 (and ε_high unless `cliprange_high` is given).
+        denominator: the denominator of the aggregation (`aggregate_loss`); None: this batch's own.
         weights: (B, T) per-token weights of the loss (`sampler_correction_weights`); None: all 1.
+        cliprange_high: ε_high > 0; None: ε_low.
+        clip_ratio_c: dual-clip bound c > 1; None: off.
+        loss_agg_mode: one of LOSS_AGG_MODES.
 
     Returns:
         loss: 0-dim, differentiable.
-        stats: detached 0-dim tensors: "loss" (this batch's own token mean, whatever `num_tokens`); "clipfrac"
-            (fraction of real tokens where the clipped term is the active one); "approxkl" (k3 estimate of
-            KL(π_old ‖ π_θ) from samples of π_old: with log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ,
-            http://joschu.net/blog/kl-approx.html);
+        stats: detached 0-dim tensors: "loss" (this batch's own token mean of the per-token losses, whatever the
+            aggregation); "clipfrac" (fraction of real tokens where the clipped term is the active one), split into
+            "clipfrac_low" (A < 0, ρ < 1 − ε_low) and "clipfrac_high" (A > 0, ρ > 1 + ε_high); "clipfrac_dual" (A < 0,
+            ρ > c: the dual clip active); "approxkl" (k3 estimate of KL(π_old ‖ π_θ) from samples of π_old: with
+            log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ, http://joschu.net/blog/kl-approx.html);
             "ratio_mean", "ratio_max", "ratio_min" over real tokens.
     """
     if not cliprange > 0:
         raise ValueError(f"cliprange={cliprange} must be > 0 (typical: 0.2)")
+    if cliprange_high is not None and not cliprange_high > 0:
+        raise ValueError(f"cliprange_high={cliprange_high} must be > 0 (DAPO: 0.28), or None for cliprange")
+    high = cliprange if cliprange_high is None else cliprange_high
+    if clip_ratio_c is not None and not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (typical: 3.0), or None for no dual clip")
+    _check_agg_mode(loss_agg_mode)
     _check_same_shape(response_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     # padding gets log ρ = 0 and A = 0, so garbage there cannot reach the loss or its gradient
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0)
     advantages = torch.where(response_mask, advantages, 0)
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + cliprange)
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
     per_token = torch.max(pg_losses, pg_losses2)
+    dual = torch.zeros_like(response_mask)
+    if clip_ratio_c is not None:
+        pg_losses3 = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (per_token > pg_losses3)
+        per_token = torch.where(advantages < 0, torch.min(per_token, pg_losses3), per_token)
     if weights is not None:
         _check_same_shape(response_mask, weights=weights)
         per_token = per_token * weights.detach()
-    loss = token_mean(per_token, response_mask, num_tokens)
+    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denominator)
     with torch.no_grad():
         ratio_d = ratio.detach()
+        clipped = pg_losses2 > pg_losses
         stats = {
             "loss": masked_mean(per_token.detach(), response_mask),
-            "clipfrac": masked_mean((pg_losses2 > pg_losses).float(), response_mask),
+            "clipfrac": masked_mean(clipped.float(), response_mask),
+            "clipfrac_low": masked_mean((clipped & (advantages < 0)).float(), response_mask),
+            "clipfrac_high": masked_mean((clipped & (advantages > 0)).float(), response_mask),
+            "clipfrac_dual": masked_mean(dual.float(), response_mask),
             "approxkl": masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask),
             "ratio_mean": masked_mean(ratio_d, response_mask),
             "ratio_max": ratio_d.masked_fill(~response_mask, float("-inf")).max(),
@@ -138,49 +222,80 @@ def clipped_policy_loss(
     return loss, stats
 
 
-def clipped_value_loss(
+VALUE_LOSS_TYPES = ("clipped", "mse", "huber")
+
+
+def value_loss(
     values: torch.Tensor,
     old_values: torch.Tensor,
     returns: torch.Tensor,
     response_mask: torch.Tensor,
-    cliprange_value: float,
-    num_tokens=None,
+    loss_type: str = "clipped",
+    cliprange_value: float = 0.2,
+    huber_delta: float = 1.0,
+    denominator=None,
+    loss_agg_mode: str = "token-mean",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """Clipped value loss: ½ · token mean of max((V − R)², (V_clip − R)²),
-    with V_clip = V_old + clip(V − V_old, −c, c).
+    """The value loss, aggregated as `aggregate_loss`:
 
-    # https://github.com/openai/baselines/blob/master/baselines/ppo2/model.py (vpredclipped)
+    # "clipped" (TRL, OpenAI baselines ppo2 vpredclipped): ½ · max((V − R)², (V_clip − R)²),
+    #   V_clip = V_old + clip(V − V_old, −c, c)
+    # "mse": ½ · (V − R)² (OpenRLHF with value_clip unset)
+    # "huber": δ-Huber of V − R: ½x² for |x| ≤ δ, δ(|x| − ½δ) beyond (robust to outlier returns)
 
     Args:
         values: (B, T) current value predictions (with grad).
-        old_values: (B, T) value predictions from rollout time.
+        old_values: (B, T) value predictions from rollout time (used by "clipped").
         returns: (B, T) value targets.
         response_mask: (B, T) bool.
-        cliprange_value: c > 0.
-        num_tokens: the denominator of the token mean (`token_mean`); None: this batch's real tokens.
+        loss_type: one of VALUE_LOSS_TYPES.
+        cliprange_value: c > 0 ("clipped").
+        huber_delta: δ > 0 ("huber").
+        denominator: the denominator of the aggregation (`aggregate_loss`); None: this batch's own.
+        loss_agg_mode: one of LOSS_AGG_MODES.
 
     Returns:
         loss: 0-dim, differentiable.
         stats: detached 0-dim tensors "loss" (this batch's own token mean), "clipfrac" (fraction of real tokens
-            where the clipped error is larger, i.e. active), "values_mean".
+            where the clipped error is larger, i.e. active; 0 for "mse" and "huber", which do not clip),
+            "values_mean".
     """
+    if loss_type not in VALUE_LOSS_TYPES:
+        raise ValueError(f"vf_loss_type={loss_type!r} is not one of {VALUE_LOSS_TYPES}")
     if not cliprange_value > 0:
         raise ValueError(f"cliprange_value={cliprange_value} must be > 0 (typical: 0.2)")
+    if not huber_delta > 0:
+        raise ValueError(f"vf_huber_delta={huber_delta} must be > 0 (typical: 1.0)")
+    _check_agg_mode(loss_agg_mode)
     _check_same_shape(response_mask, values=values, old_values=old_values, returns=returns)
-    # clamp(V, V_old ± c) is V_old + clip(V − V_old, ±c) written so that it is V itself inside the range (no
-    # subtract-then-add rounding that clipfrac could count as a clip)
-    values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
-    vf_losses1 = (values - returns).square()
-    vf_losses2 = (values_clipped - returns).square()
-    per_token = 0.5 * torch.max(vf_losses1, vf_losses2)
-    loss = token_mean(per_token, response_mask, num_tokens)
+    clipped = torch.zeros_like(response_mask)
+    if loss_type == "clipped":
+        # clamp(V, V_old ± c) is V_old + clip(V − V_old, ±c) written so that it is V itself inside the range (no
+        # subtract-then-add rounding that clipfrac could count as a clip)
+        values_clipped = torch.clamp(values, old_values - cliprange_value, old_values + cliprange_value)
+        vf_losses1 = (values - returns).square()
+        vf_losses2 = (values_clipped - returns).square()
+        per_token = 0.5 * torch.max(vf_losses1, vf_losses2)
+        clipped = vf_losses2 > vf_losses1
+    elif loss_type == "mse":
+        per_token = 0.5 * (values - returns).square()
+    else:
+        per_token = F.huber_loss(values, returns, reduction="none", delta=huber_delta)
+    loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denominator)
     with torch.no_grad():
         stats = {
             "loss": masked_mean(per_token.detach(), response_mask),
-            "clipfrac": masked_mean((vf_losses2 > vf_losses1).float(), response_mask),
+            "clipfrac": masked_mean(clipped.float(), response_mask),
             "values_mean": masked_mean(values.detach(), response_mask),
         }
     return loss, stats
+
+
+def clipped_value_loss(values, old_values, returns, response_mask, cliprange_value: float, denominator=None,
+                       loss_agg_mode: str = "token-mean"):
+    """`value_loss` with loss_type="clipped" (TRL's value loss)."""
+    return value_loss(values, old_values, returns, response_mask, "clipped", cliprange_value,
+                      denominator=denominator, loss_agg_mode=loss_agg_mode)
 
 
 def logprobs_from_logits(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
