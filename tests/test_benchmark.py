@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 _spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "benchmarks" / "bench_vs_trl.py")
@@ -53,6 +54,41 @@ def test_ratios_are_ours_over_trls():
     assert row["cpu_time_ratio"] == 0.5
     assert "| tiny | plain | 8 | 4 | 2.000 | 4.000 | **0.50** | 0.50 |" in table
     assert "| **0.30** |" in table and "(–)" in table
+
+
+class _Toy(torch.nn.Module):
+    """Embedding 10 × 4, one 4 × 4 matmul (its bias is not a matmul), head 4 → 10: body 16, head 40 parameters."""
+
+    def __init__(self):
+        super().__init__()
+        self.embed, self.layer, self.head = torch.nn.Embedding(10, 4), torch.nn.Linear(4, 4), torch.nn.Linear(4, 10)
+
+    def get_input_embeddings(self):
+        return self.embed
+
+    def get_output_embeddings(self):
+        return self.head
+
+
+def test_iteration_flops_by_hand():
+    """B = 2 prompts of 5 tokens, T = 3, 2 epochs, every model the toy: seq = 2·(5 + 3) = 16 tokens.
+    generation 2·16·16 + 2·40·(2·3) = 992; rollout (reference, value, reward) 992 + 512 + 512 = 2016;
+    update 2 · (6·16·16 + 6·40·6 + 6·16·16) = 9024."""
+    toy = _Toy()
+    assert bench.matmul_parameters(toy) == (16, 40)
+    case = bench.Case("tiny", "trl_ext", "plain", response_length=3, batch_size=2, iterations=1)
+    flops = bench.iteration_flops(case, 5.0, toy, toy, toy)
+    assert flops == {"generation": 992, "rollout": 2016, "update": 9024, "total": 12032}
+    assert bench.matmul_flops_per_second(seconds=0.05) > 1e8  # any CPU does 0.1 GFLOP/s
+
+
+def test_the_limit_column_is_each_trainer_over_the_arithmetic():
+    ours, theirs = make_run("trl_ext", [9.0, 2.0]), make_run("trl", [9.0, 4.0])
+    for run in (ours, theirs):
+        run["flops_per_iteration"], run["matmul_flops_per_second"] = {"total": 1e9}, 2e9  # 0.5 s
+    rows = bench.pair_up([bench.summarize(ours), bench.summarize(theirs)])
+    assert rows[0]["limit_seconds"] == 0.5
+    assert "| 0.500 | 4.0 / 8.0 |" in bench.markdown(rows, [])
 
 
 def test_fit_line_by_hand():
