@@ -782,10 +782,11 @@ class PPOTrainer(PPOTrainerBase):
         """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches (gradient accumulation over
         micro-batches), clipped policy and value losses, gradients clipped to `max_grad_norm`.
 
-        Both losses are token means over the whole minibatch: Σ over its real tokens on every process / the number
-        of those tokens. Each micro-batch's backward carries its share (its token sum / that count), scaled up by
-        the accumulation steps and the process count that accelerate and DDP divide by, so the update is the same
-        for any gradient_accumulation_steps and any number of processes (TRL 1.12 averaged per-micro-batch means).
+        Both losses are aggregated over the whole minibatch (`loss_agg_mode`; by default token means: Σ over its real
+        tokens on every process / the number of those tokens). Each micro-batch's backward carries its share (its
+        weighted sum / the minibatch's denominator), scaled up by the accumulation steps and the process count that
+        accelerate and DDP divide by, so the update is the same for any gradient_accumulation_steps and any number
+        of processes (TRL 1.12 averaged per-micro-batch means).
 
         critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
         weights nor its optimizer state change; only the value model learns.
@@ -863,7 +864,7 @@ class PPOTrainer(PPOTrainerBase):
 
     def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float):
         """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
-        micro-batch's share of the minibatch's token means, see `ppo_update`)."""
+        micro-batch's share of the minibatch's losses, see `ppo_update`)."""
         T = micro.responses.shape[1]
         logits, values = self.model(**inputs, logits_to_keep=T + 1)
         pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, denominator)
