@@ -465,3 +465,17 @@ def test_defaults_log_no_variant_metric(tmp_path):
     logs = train(tmp_path, steps=1)
     assert not any(k in logs[0] for k in ("policy/clipfrac_dual_avg", "policy/lam_mean", "val/vf_coef"))
     assert logs[0]["policy/clipfrac_avg"] == logs[0]["policy/clipfrac_low_avg"] + logs[0]["policy/clipfrac_high_avg"]
+
+
+def test_the_variants_are_command_line_flags(tmp_path):
+    """The recipes parse PPOConfig with TRL's TrlParser: each variant is a flag with its type."""
+    from trl import TrlParser
+
+    (args,) = TrlParser((PPOConfig,)).parse_args_and_config([
+        "--output_dir", str(tmp_path), "--bf16", "False", "--clip_ratio_high", "0.28", "--clip_ratio_c", "3",
+        "--loss_agg_mode", "seq-mean-token-mean", "--lam_value", "1.0", "--length_adaptive_alpha", "0.05",
+        "--vf_loss_type", "huber", "--vf_huber_delta", "0.5", "--vf_coef_end", "0.01"])
+    assert (args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, args.lam_value, args.length_adaptive_alpha,
+            args.vf_loss_type, args.vf_huber_delta, args.vf_coef_end) == (
+        0.28, 3.0, "seq-mean-token-mean", 1.0, 0.05, "huber", 0.5, 0.01)
+    assert args.clip_ratio_low is None and args.lam_policy is None  # unset: cliprange and lam
