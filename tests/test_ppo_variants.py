@@ -153,40 +153,32 @@ def test_bad_variant_settings_name_the_value_and_the_fix(tmp_path):
 
 
 # --------------------------------------------------------------------------------------------- reference loops
+def per_token_rows(mask, loss):
+    """[[loss(b, t) for each real token t of row b] for each row b]: a plain loop over the tokens."""
+    return [[loss(b, t) for t in range(mask.shape[1]) if mask[b, t]] for b in range(mask.shape[0])]
+
+
 def reference_policy_loss(logp, old, adv, mask, eps_low, eps_high, c, mode, T):
     """Token by token in Python: max(−Aρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)), then min(·, −A·c) where A < 0."""
-    rows = []
-    for b in range(mask.shape[0]):
-        row = []
-        for t in range(mask.shape[1]):
-            if not mask[b, t]:
-                continue
-            ratio, a = torch.exp(logp[b, t] - old[b, t]), float(adv[b, t])
-            loss = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
-            if c is not None and a < 0:
-                loss = torch.min(loss, torch.tensor(-a * c))
-            row.append(loss)
-        rows.append(row)
-    return reference_aggregate(rows, mode, T)
+    def loss(b, t):
+        ratio, a = torch.exp(logp[b, t] - old[b, t]), float(adv[b, t])
+        value = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
+        return torch.min(value, torch.tensor(-a * c)) if c is not None and a < 0 else value
+
+    return reference_aggregate(per_token_rows(mask, loss), mode, T)
 
 
 def reference_value_loss(v, old, ret, mask, kind, c, delta, mode, T):
-    rows = []
-    for b in range(mask.shape[0]):
-        row = []
-        for t in range(mask.shape[1]):
-            if not mask[b, t]:
-                continue
-            x = v[b, t] - ret[b, t]
-            if kind == "clipped":
-                clipped = old[b, t] + torch.clamp(v[b, t] - old[b, t], -c, c)
-                row.append(0.5 * torch.max(x**2, (clipped - ret[b, t]) ** 2))
-            elif kind == "mse":
-                row.append(0.5 * x**2)
-            else:
-                row.append(0.5 * x**2 if abs(float(x)) <= delta else delta * (x.abs() - 0.5 * delta))
-        rows.append(row)
-    return reference_aggregate(rows, mode, T)
+    def loss(b, t):
+        x = v[b, t] - ret[b, t]
+        if kind == "clipped":
+            clipped = old[b, t] + torch.clamp(v[b, t] - old[b, t], -c, c)
+            return 0.5 * torch.max(x**2, (clipped - ret[b, t]) ** 2)
+        if kind == "mse":
+            return 0.5 * x**2
+        return 0.5 * x**2 if abs(float(x)) <= delta else delta * (x.abs() - 0.5 * delta)
+
+    return reference_aggregate(per_token_rows(mask, loss), mode, T)
 
 
 def reference_aggregate(rows, mode, T):
@@ -311,10 +303,7 @@ def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, 
 
 
 def minibatch_order(seed, minibatches):
-    torch.manual_seed(seed)
-    order = torch.randperm(B).tolist()
-    size = B // minibatches
-    return [order[i : i + size] for i in range(0, B, size)]
+    return runs.minibatch_order(seed, B, minibatches)
 
 
 @pytest.mark.parametrize("name", list(VARIANTS))

@@ -78,10 +78,7 @@ def trainer_update(tmp_path, rollout, ga, minibatches=1, seed=0):
 
 
 def minibatch_order(seed, minibatches):
-    torch.manual_seed(seed)
-    order = torch.randperm(B).tolist()
-    size = B // minibatches
-    return [order[i : i + size] for i in range(0, B, size)]
+    return runs.minibatch_order(seed, B, minibatches)
 
 
 def test_the_per_micro_batch_mean_differs_from_the_token_mean(rollout):

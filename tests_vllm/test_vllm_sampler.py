@@ -33,8 +33,8 @@ def check(sampler, policy, tok, atol=1e-4):
     return responses, diff
 
 
-@pytest.mark.parametrize("lora", [False, True])
-def test_engine_logprobs_are_the_trainers_before_and_after_a_sync(lora, tmp_path):
+def tiny_engine(lora: bool):
+    """The tiny Llama (a LoRA adapter on it, not yet trained to zero, if `lora`) and an engine serving it."""
     tok = tiny_tokenizer()
     policy = tiny_causal_lm(tok, seed=0, **SIZE).eval()
     if lora:
@@ -42,6 +42,12 @@ def test_engine_logprobs_are_the_trainers_before_and_after_a_sync(lora, tmp_path
                                                    init_lora_weights=False))
     sampler = VLLMSampler(policy, tok, Sampling(6, TEMPERATURE, None), dtype=torch.float32, seed=0, max_model_len=64,
                           kv_cache_gb=0.05, max_lora_rank=8)
+    return tok, policy, sampler
+
+
+@pytest.mark.parametrize("lora", [False, True])
+def test_engine_logprobs_are_the_trainers_before_and_after_a_sync(lora, tmp_path):
+    tok, policy, sampler = tiny_engine(lora)
     sampler.sync(policy)
     check(sampler, policy, tok)
     with torch.no_grad():  # an update
@@ -72,13 +78,7 @@ def test_sync_versions_and_sleep_between_rollouts(lora):
     the engine sleeps after each generation and wakes for the next sync and generation; level 2 (full model) drops
     the weights, so the same version is reloaded. vLLM's CPU engine refuses enable_sleep_mode but pauses its
     scheduler on sleep() (its worker keeps its memory): here the order of the calls is checked, not the memory."""
-    tok = tiny_tokenizer()
-    policy = tiny_causal_lm(tok, seed=0, **SIZE).eval()
-    if lora:
-        policy = get_peft_model(policy, LoraConfig(r=4, lora_alpha=8, target_modules="all-linear",
-                                                   init_lora_weights=False))
-    sampler = VLLMSampler(policy, tok, Sampling(6, TEMPERATURE, None), dtype=torch.float32, seed=0, max_model_len=64,
-                          kv_cache_gb=0.05, max_lora_rank=8)
+    tok, policy, sampler = tiny_engine(lora)
     sampler.sync(policy, version=0)
     sampler.sync(policy, version=0)
     assert sampler.syncs == 1

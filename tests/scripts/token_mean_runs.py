@@ -65,6 +65,14 @@ def ragged_rollout(out: str, rows: int = 8) -> Rollout:
     return r
 
 
+def minibatch_order(seed: int, rows: int, minibatches: int) -> list[list[int]]:
+    """The rows of each minibatch in the order `ppo_update` draws them after torch.manual_seed(seed) (one epoch)."""
+    torch.manual_seed(seed)
+    order = torch.randperm(rows).tolist()
+    size = rows // minibatches
+    return [order[i : i + size] for i in range(0, rows, size)]
+
+
 def flat(*modules) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for m in modules for p in m.parameters()])
 
