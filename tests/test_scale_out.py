@@ -31,6 +31,7 @@ by the launched script only) patches the two places, see its docstring. DeepSpee
 import os
 import subprocess
 import sys
+import warnings
 from pathlib import Path
 
 import pytest
@@ -67,19 +68,34 @@ PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526}
 NOT_COMPARED = {"val/ratio_var", "val/clipfrac_avg", "eps"}
 
 
+# One ZeRO-3 launch in about ten on CPU (CI, 2026-12-01, transformers 5.18) lost a process to SIGABRT with this C++
+# message (a std::thread destroyed while joinable), outside trl_ext's Python code; five launches of the same command
+# right after all passed. Such a launch, and only such, is run once more (a warning keeps its stderr); any other
+# failure, or a second abort, fails.
+NATIVE_ABORT = "terminate called without an active exception"
+
+
 @pytest.fixture(scope="module", params=list(ENGINES))
 def launched(request, tmp_path_factory):
     engine = request.param
-    out = tmp_path_factory.mktemp(engine)
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
     runs = RUNS + SHARED_RUNS[engine]
     if engine == "ddp":
         env["ACCELERATE_USE_CPU"] = "true"
-    cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine][0], "--num_processes", "2",
-           "--mixed_precision", "no", "--main_process_port", str(PORTS[engine]),
-           str(ROOT / "tests" / "scripts" / "ddp_runs.py"), "--out", str(out), "--runs", ",".join(runs)]
-    proc = subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+
+    def launch():  # into a fresh folder
+        out = tmp_path_factory.mktemp(engine)
+        cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine][0], "--num_processes", "2",
+               "--mixed_precision", "no", "--main_process_port", str(PORTS[engine]),
+               str(ROOT / "tests" / "scripts" / "ddp_runs.py"), "--out", str(out), "--runs", ",".join(runs)]
+        return out, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+
+    out, proc = launch()
+    if proc.returncode != 0 and NATIVE_ABORT in proc.stderr:
+        warnings.warn(f"{engine}: a process aborted in native code ({NATIVE_ABORT!r}); launching once more. "
+                      f"The aborted launch's stderr ends: {proc.stderr[-1500:]}", stacklevel=2)
+        out, proc = launch()
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "RUNS DONE" in proc.stdout
     return engine, {name: torch.load(out / f"{name}.pt") for name in runs}, out
