@@ -22,9 +22,7 @@ from .masks import masked_mean
 def token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Tensor:
     """Σ x over real tokens / `num_tokens` (a number or 0-dim tensor: the real tokens of the whole minibatch); None:
     / this batch's own real tokens (= masked_mean)."""
-    if num_tokens is None:
-        return masked_mean(x, mask)
-    return torch.where(mask, x, 0).sum() / num_tokens
+    return aggregate_loss(x, mask, "token-mean", num_tokens)
 
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
