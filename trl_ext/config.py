@@ -16,6 +16,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._trl import PPOConfigBase
+from .allocator import glibc
 from .core import KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, SAMPLER_CORRECTION_MODES, VALUE_LOSS_TYPES
 
 STOP_TOKENS = ("eos", "none")
@@ -256,6 +257,14 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "Overrides of the alarm thresholds, as a dict or a JSON string, e.g. "
                   "'{\"clipfrac_max\": 0.4}'. See trl_ext.alarms.AlarmThresholds for the names."},
     )
+    cpu_reuse_freed_memory: bool | None = field(
+        default=None,
+        metadata={"help": "Let glibc's malloc keep freed memory for reuse instead of page-faulting it in again each "
+                  "step (trl_ext/allocator.py): on CPU the update runs ~1.3x faster at the same peak memory, but the "
+                  "process's resident size no longer shrinks after a peak; process-wide. Unset: on when training on "
+                  "CPU, unless MALLOC_*, GLIBC_TUNABLES or LD_PRELOAD in the environment already choose the "
+                  "allocator. False: glibc's defaults."},
+    )
 
     def __post_init__(self):
         if self.vllm_importance_sampling_correction is None:
@@ -270,6 +279,9 @@ class PPOConfig(PPOConfigBase):
             if not ok:
                 raise ValueError(message)
 
+        check(self.cpu_reuse_freed_memory is not True or glibc() is not None,
+              "cpu_reuse_freed_memory=True sets glibc's malloc options, but this C library is not glibc: drop the "
+              "setting (or preload jemalloc/tcmalloc, which keep freed memory themselves).")
         check(self.kl_estimator in KL_ESTIMATORS,
               f"kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}; pick one of them.")
         check(self.stop_token is None or self.stop_token in STOP_TOKENS,

@@ -37,6 +37,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from ._trl import OnlineTrainerState, PPOTrainerBase
 from .alarms import AlarmCallback
+from .allocator import allocator_chosen_by_user, keep_freed_memory
 from .callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
 from .checkpoint import TRL_EXT_STATE, VALUE_MODEL_DIR, check_compatible, load_adapter, load_weights
 from .config import PPOConfig
@@ -177,6 +178,7 @@ class PPOTrainer(PPOTrainerBase):
         self.train_dataset, self.train_dataset_len, self.eval_dataset = train_dataset, len(train_dataset), eval_dataset
         self.data_collator = data_collator
         self._setup_batches_and_accelerator(optimizers)
+        self.reuses_freed_memory = self._setup_allocator()
         self._setup_models()
         self._setup_callbacks_and_state(callbacks)
         self._setup_trainer_internals()
@@ -339,6 +341,15 @@ class PPOTrainer(PPOTrainerBase):
         if args.num_sample_generations > 0:
             self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
         self.local_dataloader_batch_size = args.local_batch_size
+
+    def _setup_allocator(self) -> bool:
+        """cpu_reuse_freed_memory: glibc's malloc keeps freed memory (trl_ext/allocator.py); whether it does now."""
+        setting = self.args.cpu_reuse_freed_memory
+        if setting is False:
+            return False
+        if setting is None and (self.accelerator.device.type != "cpu" or allocator_chosen_by_user()):
+            return False  # not on CPU, or the environment already chose the allocator's behaviour
+        return keep_freed_memory()
 
     def _frozen_scorer_models(self) -> list[torch.nn.Module]:
         models = list(self.reward_scorer.models.values())
