@@ -260,7 +260,7 @@ class PPOConfig(PPOConfigBase):
     cpu_reuse_freed_memory: bool | None = field(
         default=None,
         metadata={"help": "Let glibc's malloc keep freed memory for reuse instead of page-faulting it in again each "
-                  "step (trl_ext/allocator.py): on CPU the update runs ~1.3x faster at the same peak memory, but the "
+                  "step (trl_ext/allocator.py): on CPU the update runs ~1.2x faster at the same peak memory, but the "
                   "process's resident size no longer shrinks after a peak; process-wide. Unset: on when training on "
                   "CPU, unless MALLOC_*, GLIBC_TUNABLES or LD_PRELOAD in the environment already choose the "
                   "allocator. False: glibc's defaults."},
