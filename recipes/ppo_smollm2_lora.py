@@ -34,7 +34,7 @@ from trl import ModelConfig, get_peft_config
 
 from trl_ext import PPOConfig
 from trl_ext.report import run_summary
-from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, parse_args
+from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, load_dtype, parse_args
 
 # Question -> words that make an answer on topic (lower case; matched against the answer's words).
 QUESTIONS: dict[str, set[str]] = {
@@ -130,6 +130,7 @@ def build_dataset():
 
 def main(argv: list[str] | None = None) -> dict:
     script_args, args, model_args = parse_args((ScriptArguments, PPOConfig, ModelConfig), RECIPE_DEFAULTS, argv)
+    dtype = load_dtype(model_args, args)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
     from trl_ext import PPOTrainer
@@ -141,8 +142,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
     model_path = model_args.model_name_or_path or str(smollm2_path())
     tokenizer = load_tokenizer(model_path)  # SmolLM2 pads with its EOS token <|im_end|>
-    policy = AutoModelForCausalLM.from_pretrained(model_path)
-    value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
     value_model.config.pad_token_id = tokenizer.pad_token_id  # pad == eos; set so the head never has to guess
     freeze_backbone(value_model, script_args.value_trainable_layers)
     trainer = PPOTrainer(

@@ -40,7 +40,7 @@ from trl import ModelConfig, get_peft_config
 from trl_ext import PPOConfig
 from trl_ext.callbacks import append_jsonl
 from trl_ext.report import run_summary
-from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, clear_run_files, write_json
+from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, clear_run_files, load_dtype, write_json
 from trl_ext.scripts import parse_args as parse_recipe_args
 
 SAMPLES_FILE, SUMMARY_FILE = "samples_before_after.jsonl", "summary.json"
@@ -119,6 +119,7 @@ def format_summary(s: dict) -> str:
 def main(argv: list[str] | None = None) -> dict:
     wall_start = time.time()
     script_args, args, model_args = parse_args(argv)
+    dtype = load_dtype(model_args, args)  # --dtype bfloat16 --bf16 true: bf16 frozen weights (docs/results.md)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
     from trl_ext import PPOTrainer
@@ -130,8 +131,8 @@ def main(argv: list[str] | None = None) -> dict:
     set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
     model_path = model_args.model_name_or_path or str(smollm2_path())  # the first call converts the GGUF (~20 s)
     tokenizer = load_tokenizer(model_path)
-    policy = AutoModelForCausalLM.from_pretrained(model_path)
-    value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1)
+    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
+    value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
     value_model.config.pad_token_id = tokenizer.pad_token_id
     freeze_backbone(value_model, script_args.value_trainable_layers)
     trainer = PPOTrainer(

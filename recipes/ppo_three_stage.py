@@ -134,6 +134,10 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfi
     if args.eval_strategy == "no":
         raise ValueError("eval_strategy='no': this recipe's output is the held-out proxy-vs-gold evaluation; use "
                          "--eval_strategy steps with --eval_steps N.")
+    if model_args.dtype not in ("float32", "auto", None):  # the RM stage (TRL's RewardTrainer) and PPO load float32
+        raise ValueError(f"--dtype {model_args.dtype}: this recipe loads and trains every model in float32; drop "
+                         "--dtype (the quickstart, recipes/ppo_smollm2_sentiment.py, takes --dtype bfloat16 --bf16 "
+                         "true).")
     return script_args, args, model_args
 
 

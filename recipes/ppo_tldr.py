@@ -87,7 +87,7 @@ from trl import ScriptArguments as TRLScriptArguments
 
 from trl_ext import PPOConfig
 from trl_ext.report import run_summary
-from trl_ext.scripts import HubUnavailableError, hub_load, load_prompt_splits, load_tokenizer
+from trl_ext.scripts import HubUnavailableError, hub_load, load_dtype, load_prompt_splits, load_tokenizer
 from trl_ext.scripts import parse_args as parse_recipe_args
 
 
@@ -167,7 +167,7 @@ def load_models(args: PPOConfig, script_args: ScriptArguments, model_args: Model
     import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    common = dict(dtype=model_args.dtype if model_args.dtype in ("auto", None) else getattr(torch, model_args.dtype),
+    common = dict(dtype=load_dtype(model_args),
                   attn_implementation=model_args.attn_implementation, revision=model_args.model_revision,
                   trust_remote_code=script_args.trust_remote_code)
     quantization = get_quantization_config(model_args)

@@ -708,3 +708,4 @@ def freeze_backbone(value_model: nn.Module, trainable_layers: int) -> None:
                                                       if trainable_layers else [])
     for module in trainable:
         module.requires_grad_(True)
+        module.float()

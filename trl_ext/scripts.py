@@ -14,6 +14,7 @@
   `config.json`), so the recipes wrap their loads with it.
 - `load_tokenizer`, `load_prompt_splits`: a left-padding tokenizer with a pad token; prompt datasets from the hub, a
   data file, a folder of split files or a `save_to_disk` folder.
+- `load_dtype`: TRL's `--dtype` as `from_pretrained` takes it, checked against the precision flags.
 - `clear_run_files`, `write_json`: a run folder that holds one run (JSON lines: `trl_ext.callbacks.append_jsonl`).
 """
 
@@ -50,6 +51,29 @@ CPU_DEFAULTS = dict(bf16=False, report_to="none", save_strategy="no", num_sample
                     lr_scheduler_type="constant", gradient_checkpointing=False)
 # trl.ModelConfig settings of their LoRA policies: rank 8 on every linear layer, no dropout.
 LORA_DEFAULTS = dict(use_peft=True, lora_r=8, lora_alpha=16, lora_dropout=0.0, lora_target_modules="all-linear")
+
+
+def load_dtype(model_args, args=None):
+    """TRL ModelConfig's `--dtype` as `from_pretrained(dtype=...)` takes it: "auto", None or a torch dtype.
+
+    With `args` (a PPOConfig): a bf16 or fp16 load keeps what the recipe trains in fp32 (LoRA adapters, a critic's
+    top layers: `trl_ext.models.freeze_backbone`), and the two meet under the Accelerator's autocast, so `--dtype
+    bfloat16` needs `--bf16 true` (`float16`: `--fp16 true`); without it the first forward would fail on mixed
+    dtypes, so this says so before anything is loaded."""
+    import torch
+
+    name = model_args.dtype
+    if name in ("auto", None):
+        return name
+    dtype = getattr(torch, name, None)
+    if not isinstance(dtype, torch.dtype):
+        raise ValueError(f"--dtype {name!r} is not a torch dtype: use auto, float32, bfloat16 or float16.")
+    flag = {torch.bfloat16: "bf16", torch.float16: "fp16"}.get(dtype)
+    if args is not None and flag is not None and not getattr(args, flag):
+        cpu = " --use_cpu true" if flag == "bf16" and not torch.cuda.is_available() else ""
+        raise ValueError(f"--dtype {name} loads the frozen weights in {name} and keeps the trained ones in float32; "
+                         f"they run together under autocast: add --{flag} true{cpu}, or drop --dtype for float32.")
+    return dtype
 
 
 class HubUnavailableError(RuntimeError):
