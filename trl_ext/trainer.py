@@ -178,8 +178,8 @@ class PPOTrainer(PPOTrainerBase):
         self.train_dataset, self.train_dataset_len, self.eval_dataset = train_dataset, len(train_dataset), eval_dataset
         self.data_collator = data_collator
         self._setup_batches_and_accelerator(optimizers)
-        self.reuses_freed_memory = self._setup_allocator()
         self._setup_models()
+        self.reuses_freed_memory = self._setup_allocator()
         self._setup_callbacks_and_state(callbacks)
         self._setup_trainer_internals()
         self._setup_data(train_dataset, eval_dataset, data_collator)
@@ -343,13 +343,15 @@ class PPOTrainer(PPOTrainerBase):
         self.local_dataloader_batch_size = args.local_batch_size
 
     def _setup_allocator(self) -> bool:
-        """cpu_reuse_freed_memory: glibc's malloc keeps freed memory (trl_ext/allocator.py); whether it does now."""
+        """cpu_reuse_freed_memory: glibc's malloc keeps freed blocks up to the largest trained parameter's size
+        (trl_ext/allocator.py); whether it does now."""
         setting = self.args.cpu_reuse_freed_memory
         if setting is False:
             return False
         if setting is None and (self.accelerator.device.type != "cpu" or allocator_chosen_by_user()):
             return False  # not on CPU, or the environment already chose the allocator's behaviour
-        return keep_freed_memory()
+        largest = max((p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad), default=0)
+        return keep_freed_memory(largest) > 0
 
     def _frozen_scorer_models(self) -> list[torch.nn.Module]:
         models = list(self.reward_scorer.models.values())
