@@ -315,8 +315,8 @@ def test_freeze_backbone_keeps_the_trained_top_in_fp32_over_a_bf16_backbone():
 # ---------------------------------------------------------------------------------------------------- slow test
 
 
-@pytest.mark.slow
-def test_shortened_quickstart_writes_the_run_folder(tmp_path):
+def run_shortened_quickstart(tmp_path, *flags: str, folder: str = "run"):
+    """The quickstart cut to 2 PPO steps of 4 rollouts of 8 tokens, as a subprocess -> (its output, the run folder)."""
     pytest.importorskip("peft")
     from trl_ext.embedded import smollm2_path
 
@@ -324,14 +324,20 @@ def test_shortened_quickstart_writes_the_run_folder(tmp_path):
         smollm2_path()  # converts once outside the timed subprocess if the cache is empty
     except FileNotFoundError as e:
         pytest.skip(str(e))
-    out = tmp_path / "run"
+    out = tmp_path / folder
     cmd = [sys.executable, str(RECIPE), "--output_dir", str(out), "--total_episodes", "8",
            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mini_batches", "1",
-           "--response_length", "8", "--num_ppo_epochs", "1", "--eval_repeats", "1", "--eval_steps", "1",
-           "--disable_tqdm", "True"]
+           "--response_length", "8", "--num_ppo_epochs", "1", "--eval_repeats", "1", "--disable_tqdm", "True", *flags]
     proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "[quickstart] done: 2 PPO steps" in proc.stdout and "win rate vs reference" in proc.stdout
+    assert "[quickstart] done: 2 PPO steps" in proc.stdout
+    return proc.stdout, out
+
+
+@pytest.mark.slow
+def test_shortened_quickstart_writes_the_run_folder(tmp_path):
+    stdout, out = run_shortened_quickstart(tmp_path, "--eval_steps", "1")
+    assert "win rate vs reference" in stdout
 
     for name in ("metrics.jsonl", "samples_before_after.jsonl", "dashboard.png", "summary.json",
                  "adapter_model.safetensors"):
@@ -354,7 +360,7 @@ def test_shortened_quickstart_writes_the_run_folder(tmp_path):
     assert summary["steps"] == 2 and summary["eval_comparisons"] == 16 and summary["samples"] == 16
     assert summary["first_score"] == records[0]["objective/scores"]
     assert summary["eval_win_rate"] == records[-1]["eval/win_rate_vs_ref"]
-    assert isinstance(summary["alarms"], list) and "alarms raised: " in proc.stdout
+    assert isinstance(summary["alarms"], list) and "alarms raised: " in stdout
     assert summary["last_truncation_rate"] == pytest.approx(records[-1]["rollout/truncation_rate"])  # a quarter: 1
 
     # before/after samples: every held-out prompt once, in order; the scores are VADER's scores of the texts
@@ -368,10 +374,7 @@ def test_shortened_quickstart_writes_the_run_folder(tmp_path):
 
     # the same seed gives the same run: every logged number but the throughput (the value model's new score head is
     # drawn from the seeded RNG; before, it came from an unseeded one and seed 42 gave a different run each time)
-    again = tmp_path / "again"
-    cmd[cmd.index("--output_dir") + 1] = str(again)
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    _, again = run_shortened_quickstart(tmp_path, "--eval_steps", "1", folder="again")
     repeat = [json.loads(line) for line in (again / "metrics.jsonl").read_text().splitlines()]
     assert [{k: v for k, v in r.items() if k != "eps"} for r in repeat] == \
         [{k: v for k, v in r.items() if k != "eps"} for r in records]
@@ -381,24 +384,11 @@ def test_shortened_quickstart_writes_the_run_folder(tmp_path):
 def test_shortened_quickstart_in_bf16(tmp_path):
     """--dtype bfloat16 --bf16 true: the frozen weights in bf16, the trained ones in fp32 under autocast; it runs, and
     the sampler/trainer log-prob gap shows bf16 rounding (fp32: < 1e-4; the full quickstart: 0.044, docs/results.md)."""
-    pytest.importorskip("peft")
     import torch
 
-    from trl_ext.embedded import smollm2_path
-
-    try:
-        smollm2_path()
-    except FileNotFoundError as e:
-        pytest.skip(str(e))
-    out = tmp_path / "run"
-    cmd = [sys.executable, str(RECIPE), "--output_dir", str(out), "--total_episodes", "8",
-           "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1", "--num_mini_batches", "1",
-           "--response_length", "8", "--num_ppo_epochs", "1", "--eval_repeats", "1", "--eval_steps", "2",
-           "--disable_tqdm", "True", "--write_report", "False", "--dtype", "bfloat16", "--bf16", "True"]
-    cmd += [] if torch.cuda.is_available() else ["--use_cpu", "True"]
-    proc = subprocess.run(cmd, cwd=tmp_path, capture_output=True, text=True, timeout=600)
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    assert "[quickstart] done: 2 PPO steps" in proc.stdout
+    cpu = [] if torch.cuda.is_available() else ["--use_cpu", "True"]
+    _, out = run_shortened_quickstart(tmp_path, "--eval_steps", "2", "--write_report", "False", "--dtype", "bfloat16",
+                                      "--bf16", "True", *cpu)
     records = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     assert all(math.isfinite(r["loss/policy_avg"]) and math.isfinite(r["loss/value_avg"]) for r in records)
     assert all(r["rollout/sampler_logprob_diff_mean"] > 1e-3 for r in records)
