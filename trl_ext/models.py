@@ -693,8 +693,9 @@ def build_value_model(init: str, head_init: str | None, value_model, policy, rew
 
 def freeze_backbone(value_model: nn.Module, trainable_layers: int) -> None:
     """Leave only the top `trainable_layers` decoder layers, the final norm and the `score` head of a
-    sequence-classification model trainable (-1: all of it). On CPU a SmolLM2 critic with 2 of 30 layers trained
-    takes about half the time per PPO step of a fully trained one."""
+    sequence-classification model trainable (-1: all of it), in fp32 (AdamW on bf16 weights loses small updates; over
+    a bf16 backbone the two then meet under bf16 autocast, PPOConfig bf16=True). On CPU a SmolLM2 critic with 2 of 30
+    layers trained takes about half the time per PPO step of a fully trained one."""
     if trainable_layers < 0:
         return
     backbone = getattr(value_model, value_model.base_model_prefix)
