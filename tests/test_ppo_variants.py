@@ -312,8 +312,9 @@ def test_the_update_with_a_variant_is_the_reference_for_any_accumulation(tmp_pat
     expected = reference_update(rollout, minibatch_order(7, 2), **overrides)
     baseline = reference_update(rollout, minibatch_order(7, 2))
     assert (expected - baseline).abs().max() > 1e-4, "the variant does not change this update: no teeth"
-    # 1e-5 of the update's size: token-sum's step (a sum over ~40 tokens at lr 0.05) moves weights by ~300, and
-    # float32 rounding of other micro-batch shapes grows with it; a wrong denominator is off by the step itself
+    # 1e-4 of the update's size: token-sum's step (a sum over ~40 tokens at lr 0.05) moves weights by ~300, and
+    # float32 rounding of other micro-batch shapes grows with it (up to 1.3e-5 of it on an AMD EPYC, 3 of 44,297
+    # weights, against < 1e-5 on an Intel Xeon); a wrong denominator is off by the step itself
     step = (expected - runs.flat(*runs.models(tiny_tokenizer()))).abs().max().item()
     for ga in (1, 2, 4):
         tok = tiny_tokenizer()
@@ -321,7 +322,7 @@ def test_the_update_with_a_variant_is_the_reference_for_any_accumulation(tmp_pat
         t = runs.trainer(str(tmp_path / str(ga)), tok, policy, value, rows=B, ga=ga, minibatches=2, **overrides)
         torch.manual_seed(7)
         metrics = update_metrics(t.ppo_update(rollout))
-        torch.testing.assert_close(runs.flat(policy, value), expected, rtol=0, atol=1e-5 * max(step, 1.0),
+        torch.testing.assert_close(runs.flat(policy, value), expected, rtol=0, atol=1e-4 * max(step, 1.0),
                                    msg=lambda m, ga=ga: f"{name}, ga={ga}: {m}")
     if "clip_ratio_high" in overrides:
         assert metrics["policy/clipfrac_high_avg"] > 0 and metrics["policy/clipfrac_low_avg"] > 0
