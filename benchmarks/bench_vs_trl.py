@@ -435,11 +435,9 @@ def run_case(case: Case) -> dict:
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(case, out, models)
         if case.trainer == "trl" and os.environ.get(TRL_KEEPS_MEMORY) and not cuda:
-            from trl_ext.allocator import keep_freed_memory
+            from trl_ext.allocator import keep_freed_memory, largest_trained_block
 
-            # what trl_ext's trainer does for itself (PPOTrainer._setup_allocator)
-            keep_freed_memory(max(p.numel() * p.element_size() for p in trainer.model.parameters()
-                                  if p.requires_grad))
+            keep_freed_memory(largest_trained_block(trainer.model))  # as PPOTrainer._setup_allocator does
         clock = PhaseClock(cuda=cuda)
         patched = (instrument_trl if case.trainer == "trl" else instrument_trl_ext)(trainer, clock)
         marks: list[tuple[float, float, dict]] = []  # (wall, process CPU time, phase totals)

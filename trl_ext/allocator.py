@@ -53,6 +53,11 @@ def glibc():
     return ctypes.CDLL("libc.so.6")  # glibc's soname on every Linux architecture
 
 
+def largest_trained_block(module) -> int:
+    """Bytes of `module`'s largest trainable parameter: the size of its gradient, the block keep_freed_memory keeps."""
+    return max((p.numel() * p.element_size() for p in module.parameters() if p.requires_grad), default=0)
+
+
 def keep_freed_memory(largest_block: int = 0) -> int:
     """Make glibc's malloc serve every block up to max(32 MiB, `largest_block` bytes and a MiB at most above) from its
     heap (M_MMAP_THRESHOLD, fixed instead of moving by itself) and never hand the heap's free top back to the OS

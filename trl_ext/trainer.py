@@ -37,7 +37,7 @@ from trl.models.utils import unwrap_model_for_generation
 
 from ._trl import OnlineTrainerState, PPOTrainerBase
 from .alarms import AlarmCallback
-from .allocator import allocator_chosen_by_user, keep_freed_memory
+from .allocator import allocator_chosen_by_user, keep_freed_memory, largest_trained_block
 from .callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
 from .checkpoint import TRL_EXT_STATE, VALUE_MODEL_DIR, check_compatible, load_adapter, load_weights
 from .config import PPOConfig
@@ -350,8 +350,7 @@ class PPOTrainer(PPOTrainerBase):
             return False
         if setting is None and (self.accelerator.device.type != "cpu" or allocator_chosen_by_user()):
             return False  # not on CPU, or the environment already chose the allocator's behaviour
-        largest = max((p.numel() * p.element_size() for p in self.model.parameters() if p.requires_grad), default=0)
-        return keep_freed_memory(largest) > 0
+        return keep_freed_memory(largest_trained_block(self.model)) > 0
 
     def _frozen_scorer_models(self) -> list[torch.nn.Module]:
         models = list(self.reward_scorer.models.values())
