@@ -13,8 +13,9 @@ the tables.
 What is timed, per iteration (exclusive times: a phase nested in another is taken out of the outer one):
 
 - generation: trl_ext `generate_responses`; TRL `batch_generation`.
-- critic: trl_ext the rollout's policy+value forward (log-probs and values in one pass); TRL
-  `get_reward(value_model, ...)` (TRL takes the rollout log-probs from the generation scores, no policy pass).
+- critic: trl_ext the rollout's policy+value forward (log-probs and values in one pass; with
+  `--rollout_logprobs sampler` the values alone); TRL `get_reward(value_model, ...)` (TRL takes the rollout
+  log-probs from the generation scores, no policy pass).
 - reference: trl_ext `PPOTrainer._ref_logprobs`; TRL `forward(ref_policy, ...)` under no_grad.
 - reward: trl_ext `RewardScorer.__call__`; TRL `get_reward(reward_model, ...)`.
 - update: trl_ext `PPOTrainer.ppo_update`; TRL from the first training forward of the iteration to its `log` call.
@@ -67,7 +68,7 @@ import tempfile
 import time
 from collections import defaultdict
 from contextlib import contextmanager
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -91,6 +92,7 @@ class Case:
     warmup: int = 1  # dropped iterations
     device: str = "cpu"
     num_ppo_epochs: int = 2
+    rollout_logprobs: str = "trainer"  # trl_ext's π_old: "trainer" (its default) or "sampler" (TRL 1.12's)
 
     @property
     def point(self) -> tuple:
@@ -408,7 +410,7 @@ def build_trainer(case: Case, output_dir: str, models):
         extras = case.mode != "plain"
         if case.mode == "vllm":
             common["use_vllm"] = True
-        args = PPOConfig(**common, stop_token="none", alarms=extras,
+        args = PPOConfig(**common, stop_token="none", alarms=extras, rollout_logprobs=case.rollout_logprobs,
                          kl_controller="adaptive" if extras else "fixed", kl_target=6.0, kl_horizon=10000,
                          num_sample_generations=case.warmup + case.iterations if extras else 0,
                          disable_tqdm=not extras)
@@ -666,6 +668,9 @@ def main(argv=None) -> None:
                         help="give TRL's runs trl_ext's allocator settings: glibc keeps freed blocks up to the "
                         "largest trained parameter (trl_ext.allocator.keep_freed_memory, set in the run's process), "
                         "as trl_ext's cpu_reuse_freed_memory does for itself on CPU")
+    parser.add_argument("--rollout_logprobs", default="trainer", choices=["trainer", "sampler"],
+                        help="trl_ext's π_old (PPOConfig.rollout_logprobs): its default, a forward pass of the "
+                        "trainer, or the sampler's log-probs, which is what TRL 1.12 uses")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     parser.add_argument("--result", help=argparse.SUPPRESS)
     cli = parser.parse_args(argv)
@@ -705,6 +710,7 @@ def main(argv=None) -> None:
     cases = plan(models, cli.device, cli.quick, cli.full, cli.use_vllm, cli.iterations)
     if cli.modes:
         cases = [c for c in cases if c.mode in cli.modes.split(",")]
+    cases = [replace(c, rollout_logprobs=cli.rollout_logprobs) for c in cases]
     started = time.time()
     runs, failed = [], []
     for i, case in enumerate(cases, 1):
@@ -731,12 +737,14 @@ def main(argv=None) -> None:
             "full": cli.full, "wall_seconds": elapsed, "python": platform.python_version(), "torch": torch.__version__,
             "transformers": transformers.__version__, "trl": trl.__version__,
             "torch_threads": cli.threads or torch.get_num_threads(), "load_average_at_end": os.getloadavg(),
-            "malloc_env": cli.malloc_env,
+            "malloc_env": cli.malloc_env, "rollout_logprobs": cli.rollout_logprobs,
             "command": " ".join([Path(sys.argv[0]).name] + sys.argv[1:]), "failed": failed}
     header = (f"{today}, {meta['hardware']}, torch {torch.__version__} ({meta['torch_threads']} threads), trl "
               f"{trl.__version__}; benchmark wall time {elapsed / 60:.1f} min; load average at the end "
               f"{meta['load_average_at_end'][0]:.1f}"
               + ("; both trainers with glibc keeping freed memory (--malloc_env)" if cli.malloc_env else "")
+              + ("; trl_ext's π_old the sampler's log-probs, as TRL's (--rollout_logprobs sampler)"
+                 if cli.rollout_logprobs == "sampler" else "")
               + ". Ratios are trl_ext / TRL (< 1: trl_ext is faster or smaller)."
               + (f" {len(failed)} run(s) FAILED (see results.json)." if failed else "") + "\n")
     (out / "results.json").write_text(json.dumps({"meta": meta, "runs": runs, "rows": rows, "slopes": slopes},

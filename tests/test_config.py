@@ -57,6 +57,7 @@ def test_kl_estimators_accepted(tmp_path, estimator):
         ("local_rollout_forward_batch_size", 0, r"local_rollout_forward_batch_size=0 must be >= 1"),
         ("missing_eos_penalty", -1.0, r"missing_eos_penalty=-1.0 must be a positive number"),
         ("total_episodes", 0, r"total_episodes=0 must be >= 1"),
+        ("rollout_logprobs", "engine", r"rollout_logprobs='engine'.*\('trainer', 'sampler'\)"),
     ],
 )
 def test_bad_values_are_clear_errors(tmp_path, field, value, message):
@@ -67,3 +68,12 @@ def test_bad_values_are_clear_errors(tmp_path, field, value, message):
 def test_stop_token_and_stop_token_id_are_exclusive(tmp_path):
     with pytest.raises(ValueError, match="set only one"):
         PPOConfig(output_dir=str(tmp_path), bf16=False, stop_token="eos", stop_token_id=3)
+
+
+def test_every_fields_help_prints():
+    """`python recipes/quickstart.py --help` formats each field's help with argparse's % expansion (a bare "20% x" in
+    the adaptive controller's help was a TypeError there)."""
+    from transformers import HfArgumentParser
+
+    text = HfArgumentParser(PPOConfig).format_help()
+    assert "--rollout_logprobs" in text and "--kl_horizon" in text

@@ -105,6 +105,21 @@ def test_shared_base_ppo_trains_only_adapters_and_heads(tmp_path):
     assert shared.policy.active_adapter == POLICY
 
 
+def test_shared_base_with_the_samplers_logprobs_as_pi_old(tmp_path):
+    """rollout_logprobs="sampler": the rollout runs the critic adapter alone (role="value"), π_old is the sampler's,
+    and the update's first minibatch measures the sampler against the trainer's policy adapter."""
+    tok, shared = shared_setup(tmp_path)
+    t = PPOTrainer(args=args(tmp_path, rollout_logprobs="sampler", logging_steps=1), processing_class=tok,
+                   model=shared, ref_model=None, reward_model=shared.reward_model,
+                   train_dataset=tiny_prompt_dataset(tok, 8), value_model=None)
+    t.train()
+    logs = [h for h in t.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2
+    for log in logs:
+        assert 0 < log["rollout/sampler_logprob_diff_max"] < 1e-4
+        assert abs(log["policy/ratio_first_minibatch"] - 1) < 1e-4
+
+
 def test_reference_logprobs_are_the_base_models(tmp_path):
     """The rollout's ref log-probs equal those of the same 4-bit base loaded fresh, without any adapter; the policy's
     (non-zero LoRA) differ."""

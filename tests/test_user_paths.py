@@ -207,6 +207,59 @@ def test_the_sampler_metric_is_small_when_sampler_and_trainer_agree(tmp_path):
     assert 0.0 <= cap.logs[0]["rollout/sampler_logprob_diff_max"] < 1e-5
 
 
+def policy_passes_over_responses(policy, T):
+    """Counts the policy's no-grad LM-head calls over the T + 1 positions that predict a response: the rollout's
+    recomputation of π_old (generation runs the head on one position per step)."""
+    calls, head = [], policy.lm_head  # (the reference, a deep copy of the policy, carries a copy of the hook)
+    head.register_forward_hook(lambda module, inputs, output: calls.append(1) if module is head
+                               and not torch.is_grad_enabled() and output.shape[1] == T + 1 else None)
+    return calls
+
+
+def test_sampler_logprobs_as_pi_old_skip_the_rollouts_policy_pass_and_train_the_same(tmp_path):
+    """rollout_logprobs="sampler" (TRL 1.12's π_old, from generate's scores): no policy forward in the rollout, the
+    same tokens, and (fp32, where the sampler is the policy to ~1e-6) the same trained weights as "trainer"."""
+    runs = {}
+    for source in ("trainer", "sampler"):
+        tok = tiny_tokenizer()
+        policy = tiny_causal_lm(tok, seed=0)
+        calls = policy_passes_over_responses(policy, T=8)
+        t, cap = ppo(tmp_path / source, tok, policy, total_episodes=16, num_ppo_epochs=2, num_mini_batches=2,
+                     rollout_logprobs=source)
+        t.train()
+        runs[source] = (cap, torch.cat([p.detach().flatten() for p in policy.parameters()]), len(calls))
+    (trainer, w_trainer, n_trainer), (sampler, w_sampler, n_sampler) = runs["trainer"], runs["sampler"]
+    assert n_trainer == 2 and n_sampler == 0  # one rollout pass per iteration, then none
+    assert torch.equal(trainer.rollouts[1].responses, sampler.rollouts[1].responses)
+    assert sampler.rollouts[0].logprobs.abs().sum() > 0
+    mask = trainer.rollouts[0].response_mask  # (the trainer's log-probs past the stop token are not used)
+    torch.testing.assert_close(sampler.rollouts[0].logprobs[mask], trainer.rollouts[0].logprobs[mask], rtol=0,
+                               atol=1e-5)
+    w_init = torch.cat([p.detach().flatten() for p in tiny_causal_lm(tiny_tokenizer(), seed=0).parameters()])
+    assert (w_trainer - w_init).abs().max() > 1e-3  # the runs trained
+    assert (w_sampler - w_trainer).abs().max() < 1e-5
+    for log in sampler.logs:  # measured on the first minibatch, in the update: the sampler against the trainer
+        assert 0 < log["rollout/sampler_logprob_diff_max"] < 1e-5
+        assert log["policy/ratio_first_minibatch"] == pytest.approx(1.0, abs=1e-5)
+
+
+def test_with_sampler_logprobs_the_first_ratio_and_the_sampler_metric_see_a_mismatch(tmp_path):
+    """The eval/train-mode shift of `test_the_sampler_metric_sees_what_the_first_ratio_cannot`, with π_old the
+    sampler's: the first minibatch's ratio now carries the gap, and the sampler metric (from the update) still sees
+    it; generator_mismatch fires."""
+    tok = tiny_tokenizer()
+    policy = tiny_causal_lm(tok, seed=0)
+    shift = TrainingModeShift()
+    policy.lm_head.register_forward_hook(lambda module, inputs, output: shift.train(module.training)(output))
+    t, cap = ppo(tmp_path, tok, policy, learning_rate=0.0, rollout_logprobs="sampler")
+    with pytest.warns(UserWarning, match="generator_mismatch"):
+        t.train()
+    log = cap.logs[0]
+    assert abs(log["policy/ratio_first_minibatch"] - 1.0) > 1e-2
+    assert log["rollout/sampler_logprob_diff_mean"] > 0.1
+    assert log["alarm/generator_mismatch"] == 1.0
+
+
 # ------------------------------------------------------------------------------------------------ 5. clipping
 def test_the_critics_gradient_does_not_throttle_the_policys_step(tmp_path):
     """max_grad_norm=1, SGD: the policy's step is the same at vf_coef 0.1 and 10 (each part is clipped on its own).

@@ -14,6 +14,11 @@ def test_the_sampler_correction_follows_use_vllm_unless_set(tmp_path):
                      vllm_importance_sampling_correction=False).vllm_importance_sampling_correction is False
     assert PPOConfig(output_dir=str(tmp_path),
                      vllm_importance_sampling_correction=True).vllm_importance_sampling_correction is True
+    # π_old the sampler's: the weights π_old / π_sampler would all be 1
+    assert PPOConfig(output_dir=str(tmp_path), use_vllm=True,
+                     rollout_logprobs="sampler").vllm_importance_sampling_correction is False
+    with pytest.raises(ValueError, match=r"rollout_logprobs='sampler'.*vllm_importance_sampling_correction=False"):
+        PPOConfig(output_dir=str(tmp_path), rollout_logprobs="sampler", vllm_importance_sampling_correction=True)
 
 
 @pytest.mark.parametrize("field, value, match", [

@@ -19,6 +19,8 @@ from ._trl import PPOConfigBase
 from .allocator import glibc
 from .core import KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, SAMPLER_CORRECTION_MODES, VALUE_LOSS_TYPES
 
+ROLLOUT_LOGPROBS = ("trainer", "sampler")  # where π_old comes from (PPOConfig.rollout_logprobs)
+
 STOP_TOKENS = ("eos", "none")
 VALUE_MODEL_INITS = ("given", "reward_model", "policy")
 VALUE_HEAD_INITS = ("zero", "keep")
@@ -111,7 +113,8 @@ class PPOConfig(PPOConfigBase):
     )
     kl_horizon: int = field(
         default=10000,
-        metadata={"help": "Adaptive controller's horizon in rollouts: beta moves at most 20% x n/horizon per batch."},
+        metadata={"help": "Adaptive controller's horizon in rollouts: beta moves at most by a factor 1 +- 0.2 x "
+                  "n/horizon per batch of n rollouts."},
     )
     critic_warmup_steps: int = field(
         default=0,
@@ -230,6 +233,16 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "vLLM's context length (prompt + response). None: max_prompt_length + response_length, or "
                   "the model's max_position_embeddings."},
     )
+    rollout_logprobs: str = field(
+        default="trainer",
+        metadata={"help": "π_old, the log-probs the policy ratio is taken against: 'trainer' (the loss's own forward "
+                  "pass over the rollout: the first minibatch's ratio is exactly 1, and the sampler's log-probs are "
+                  "compared with it over every token) or 'sampler' (the sampler's log-probs, as TRL 1.12 took them "
+                  "from generate's scores: one policy forward less per rollout; the sampler-trainer "
+                  "gap is then measured on the first minibatch, before its optimizer step, and "
+                  "shows in policy/ratio_first_minibatch). 'sampler' is for a sampler that is the policy "
+                  "(fp32; see rollout/sampler_logprob_diff_*)."},
+    )
     vllm_importance_sampling_correction: bool | None = field(
         default=None,
         metadata={"help": "Weight the policy loss by π_old / π_sampler of each sampled token, truncated or masked "
@@ -267,8 +280,8 @@ class PPOConfig(PPOConfigBase):
     )
 
     def __post_init__(self):
-        if self.vllm_importance_sampling_correction is None:
-            self.vllm_importance_sampling_correction = self.use_vllm
+        if self.vllm_importance_sampling_correction is None:  # no π_old / π_sampler when π_old is the sampler's
+            self.vllm_importance_sampling_correction = self.use_vllm and self.rollout_logprobs != "sampler"
         if self.bf16 is None:
             self.bf16 = (not self.fp16) and _bf16_available()
         self._validate()
@@ -282,6 +295,12 @@ class PPOConfig(PPOConfigBase):
         check(self.cpu_reuse_freed_memory is not True or glibc() is not None,
               "cpu_reuse_freed_memory=True sets glibc's malloc options, but this C library is not glibc: drop the "
               "setting (or preload jemalloc/tcmalloc, which keep freed memory themselves).")
+        check(self.rollout_logprobs in ROLLOUT_LOGPROBS,
+              f"rollout_logprobs={self.rollout_logprobs!r} is not one of {ROLLOUT_LOGPROBS}; pick one of them.")
+        check(not (self.rollout_logprobs == "sampler" and self.vllm_importance_sampling_correction),
+              "rollout_logprobs='sampler' makes π_old the sampler's log-probs, so the importance weights "
+              "π_old / π_sampler of vllm_importance_sampling_correction=True are all 1: set "
+              "vllm_importance_sampling_correction=False, or rollout_logprobs='trainer' to keep the correction.")
         check(self.kl_estimator in KL_ESTIMATORS,
               f"kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}; pick one of them.")
         check(self.stop_token is None or self.stop_token in STOP_TOKENS,

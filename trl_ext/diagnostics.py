@@ -171,6 +171,8 @@ class UpdateStats:
         self.first_minibatch: list[torch.Tensor] = []  # per micro-batch of the first minibatch: (Σ ratio, tokens)
         self.micro_batch_ratios: list[torch.Tensor] = []  # per micro-batch: its mean ratio (for val/ratio_var)
         self.steps: dict[str, list[float]] = {}  # per optimizer step, e.g. "policy/grad_norm"
+        # rollout_logprobs="sampler": per micro-batch of the first minibatch, (sampler, trainer) log-probs and mask
+        self.sampler_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
     def add(self, num_tokens: torch.Tensor, first_minibatch: bool, **means: torch.Tensor) -> None:
         """One micro-batch: its real-token count and its token means, by the names in `keys`."""
@@ -181,6 +183,11 @@ class UpdateStats:
         if first_minibatch:
             self.first_minibatch.append(torch.stack([row[self.keys.index("val/ratio")], num_tokens.float()]))
 
+    def add_sampler_rows(self, sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
+        """A first-minibatch micro-batch whose π_old is the sampler's: the trainer's log-probs of it before any
+        optimizer step, for `rollout/sampler_logprob_diff_*` (`sampler_metrics`)."""
+        self.sampler_rows.append((sampler_logprobs.detach(), logprobs.detach(), mask))
+
     def add_step(self, key: str, value: float) -> None:
         self.steps.setdefault(key, []).append(float(value))
 
@@ -189,7 +196,8 @@ def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gathe
     """The update's metrics: token means of the token statistics over all micro-batches and processes,
     `policy/ratio_first_minibatch` (the token-mean ratio of the first minibatch, before any optimizer step: must be
     1), `val/ratio_var` (variance of the per-micro-batch mean ratios; 0 with a single micro-batch, TRL 1.12: NaN),
-    and the mean of each per-step value (grad norms)."""
+    the mean of each per-step value (grad norms), and, where π_old was the sampler's, `rollout/sampler_logprob_diff_*`
+    over the first minibatch's tokens."""
     sums = torch.stack(u.token_sums).sum(0)
     n = torch.stack(u.num_tokens).sum()
     first = torch.stack(u.first_minibatch).sum(0)
@@ -203,4 +211,6 @@ def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gathe
     for key, values in u.steps.items():
         out[key] = gather(torch.tensor([sum(values) / len(values)], dtype=torch.float64,
                                        device=ratios.device)).mean().item()
+    if u.sampler_rows:
+        out.update(sampler_metrics(*(torch.cat(column) for column in zip(*u.sampler_rows)), gather=gather))
     return out

@@ -312,11 +312,14 @@ class PolicyAndValueWrapper(nn.Module):
             if getattr(module, "supports_gradient_checkpointing", False):
                 module.gradient_checkpointing_disable()
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int = 0):
-        """-> (policy logits (B, L', V), values (B, L)); L' = `logits_to_keep` where the policy supports it."""
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int = 0, role: str = "both"):
+        """-> (policy logits (B, L', V), values (B, L)); L' = `logits_to_keep` where the policy supports it.
+        role="value": the values alone (a rollout whose π_old is the sampler's, `PPOConfig.rollout_logprobs`)."""
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        logits = lm_logits(self.policy, inputs, logits_to_keep)
-        return logits, scalar_head_outputs(self.value_model, inputs)
+        if role not in ("both", "value"):
+            raise ValueError(f"role={role!r} is not one of 'both', 'value'.")
+        values = scalar_head_outputs(self.value_model, inputs)
+        return values if role == "value" else (lm_logits(self.policy, inputs, logits_to_keep), values)
 
 
 # ---------------------------------------------------------------------------------------------------- shared base

@@ -696,11 +696,16 @@ class PPOTrainer(PPOTrainerBase):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
             # 3. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses.
             # Only the last T + 1 positions' logits are computed; log-probs in chunks; the logits freed at once.
-            logits, value = self.model(**inputs, logits_to_keep=T + 1)
-            logprobs.append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:], args.temperature,
-                                           LOGPROB_CHUNK))
+            # rollout_logprobs="sampler": π_old is the sampler's own log-probs, and the values are computed alone.
+            if args.rollout_logprobs == "sampler":
+                value = self.model(**inputs, role="value")
+                logprobs.append(sampler_logprobs[s].to(value.device) * response_mask[s])
+            else:
+                logits, value = self.model(**inputs, logits_to_keep=T + 1)
+                logprobs.append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:],
+                                               args.temperature, LOGPROB_CHUNK))
+                del logits
             values.append(value[:, -T - 1 : -1].float())
-            del logits
             # 4. reference log-probs
             with accelerator.autocast():
                 ref_logprobs.append(self._ref_logprobs(inputs, responses[s]))
@@ -741,7 +746,11 @@ class PPOTrainer(PPOTrainerBase):
         if isinstance(lam_policy, torch.Tensor) or lam_value != lam_policy:
             returns = compute_gae(rewards, values, response_mask, args.gamma, lam_value)[1]
         advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
+        # the sampler against the trainer: here over every token, or (π_old the sampler's) in the update, where the
+        # first minibatch's forward is the trainer's at the rollout's weights (UpdateStats.sampler_rows)
         sampler_logprobs = sampler_logprobs.to(logprobs.device) * response_mask
+        if args.rollout_logprobs == "sampler":
+            sampler_logprobs = None
         sampler_weights = None
         if args.vllm_importance_sampling_correction:  # π_old / π_sampler, truncated or masked (core.losses)
             sampler_weights = sampler_correction_weights(
@@ -832,8 +841,12 @@ class PPOTrainer(PPOTrainerBase):
                         if accelerator.sync_gradients:
                             self._clip_gradients(stats, critic_only)
                             self._optimizer_step(critic_only)
-                    # before any optimizer step of this iteration (the first minibatch) the ratio must be 1.0
-                    stats.add(micro.response_mask.sum(), first_minibatch=epoch == 0 and mini_start == 0, **{
+                    # before any optimizer step of this iteration (the first minibatch) the ratio must be 1.0; with
+                    # π_old the sampler's, its forward is where the sampler meets the trainer at the same weights
+                    first_minibatch = epoch == 0 and mini_start == 0
+                    if first_minibatch and args.rollout_logprobs == "sampler":
+                        stats.add_sampler_rows(micro.logprobs, pg_stats["logprobs"], micro.response_mask)
+                    stats.add(micro.response_mask.sum(), first_minibatch=first_minibatch, **{
                         "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
                         "loss/policy_avg": pg_stats["loss"], "loss/value_avg": vf_stats["loss"],
                         "val/clipfrac_avg": vf_stats["clipfrac"], "policy/entropy_avg": entropy,
@@ -857,6 +870,7 @@ class PPOTrainer(PPOTrainerBase):
         pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
                                                 low, denominator, weights=micro.sampler_weights, cliprange_high=high,
                                                 clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode)
+        pg_stats["logprobs"] = new_logprobs.detach()
         return pg_loss, pg_stats, entropy
 
     def _value_terms(self, values: torch.Tensor, micro: Rollout, denominator):
