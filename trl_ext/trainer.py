@@ -748,9 +748,8 @@ class PPOTrainer(PPOTrainerBase):
         advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
         # the sampler against the trainer: here over every token, or (π_old the sampler's) in the update, where the
         # first minibatch's forward is the trainer's at the rollout's weights (UpdateStats.sampler_rows)
-        sampler_logprobs = sampler_logprobs.to(logprobs.device) * response_mask
-        if args.rollout_logprobs == "sampler":
-            sampler_logprobs = None
+        sampler_logprobs = (None if args.rollout_logprobs == "sampler"
+                            else sampler_logprobs.to(logprobs.device) * response_mask)
         sampler_weights = None
         if args.vllm_importance_sampling_correction:  # π_old / π_sampler, truncated or masked (core.losses)
             sampler_weights = sampler_correction_weights(
