@@ -120,6 +120,34 @@ def test_critic_warmup_freezes_the_policy_and_still_saves(tmp_path):
     assert (tmp_path / "checkpoint-1" / "value_model").is_dir() and (tmp_path / "checkpoint-2").is_dir()
 
 
+def test_critic_warmup_on_one_process_runs_no_policy_backward_and_trains_the_critic_the_same(tmp_path,
+                                                                                              monkeypatch):
+    """On one plain process the warmup's policy pass runs without a graph (its gradients would be dropped); under
+    DDP/DeepSpeed/FSDP it keeps the weight-0 policy term. Both give the same critic and the same logged stats."""
+    import trl_ext.trainer as trainer_module
+
+    def run(joint):
+        if joint:  # the distributed path: the policy term at weight 0, one backward of the summed loss
+            monkeypatch.setattr(trainer_module, "DistributedType", type("Never", (), {"NO": "never"}))
+        t = make_trainer(config(tmp_path / str(joint), critic_warmup_steps=2), callbacks=[StopAt(2)])
+        policy_grads = []
+        for p in t.unwrapped.policy.parameters():
+            p.register_hook(lambda g: policy_grads.append(1))
+        t.train()
+        monkeypatch.undo()
+        return t, len(policy_grads)
+
+    alone, alone_grads = run(joint=False)
+    joint, joint_grads = run(joint=True)
+    assert alone_grads == 0 and joint_grads > 0
+    assert torch.allclose(flat(alone.unwrapped.value_model), flat(joint.unwrapped.value_model), atol=1e-6)
+    fresh = make_trainer(config(tmp_path)).unwrapped.value_model
+    assert not torch.equal(flat(alone.unwrapped.value_model), flat(fresh))
+    for a, b in zip(step_logs(alone), step_logs(joint)):
+        for key in ("policy/entropy_avg", "policy/approxkl_avg", "loss/value_avg", "val/grad_norm"):
+            assert a[key] == pytest.approx(b[key], rel=1e-5, abs=1e-7), key
+
+
 def test_after_warmup_the_policy_moves(tmp_path):
     t = make_trainer(config(tmp_path, critic_warmup_steps=2))
     policy = t.unwrapped.policy

@@ -256,17 +256,135 @@ def generate_responses(policy, queries, query_mask, sampling: Sampling,
     return responses, logprobs
 
 
-def scalar_head_outputs(model: nn.Module, inputs: dict) -> torch.Tensor:
+def scalar_head_outputs(model: nn.Module, inputs: dict, trunk: FrozenTrunk | None = None, capture: bool = False,
+                        trunk_hidden: torch.Tensor | None = None):
     """(B, L) per-position scalar of a sequence-classification model (TRL's reward/value model layout: a backbone
-    under `base_model_prefix` and a `score` head; a peft-wrapped one is read through its active adapter)."""
-    model = _underlying(model)
-    backbone = getattr(model, model.base_model_prefix)
-    hidden = backbone(**inputs, use_cache=False).last_hidden_state  # (B, L, H)
-    score = model.score
+    under `base_model_prefix` and a `score` head; a peft-wrapped one is read through its active adapter).
+    With a `FrozenTrunk`: `capture` also returns its (B, L, H) output, and `trunk_hidden` (that output) runs only
+    the layers above it."""
+    underlying = _underlying(model)
+    if trunk is not None and trunk_hidden is not None:
+        hidden = trunk.top(inputs, trunk_hidden)
+    elif trunk is not None and capture:
+        trunk_hidden = trunk.hidden_states(inputs)
+        hidden = trunk.top(inputs, trunk_hidden)
+    else:
+        hidden = getattr(underlying, underlying.base_model_prefix)(**inputs, use_cache=False).last_hidden_state
+    score = underlying.score
     weight = getattr(score, "weight", None)
     if weight is not None and weight.dtype != hidden.dtype and weight.dtype.is_floating_point:
         hidden = hidden.to(weight.dtype)  # a head kept in fp32 over a bf16 / 4-bit backbone
-    return score(hidden).squeeze(-1)  # (B, L)
+    values = score(hidden).squeeze(-1)  # (B, L)
+    return (values, trunk_hidden) if capture else values
+
+
+class FrozenTrunk:
+    """The frozen lower part of a Llama-style value model (`freeze_backbone`): its embeddings and first `layers`
+    decoder layers train nothing, so their output for a rollout is the same at every minibatch of the iteration. The
+    rollout keeps it (`scalar_head_outputs(..., trunk=, capture=True)`) and the update runs the trainable top alone
+    from it (`trunk_hidden=`): the critic's forward in the update costs its top layers, not the whole model."""
+
+    def __init__(self, value_model: nn.Module, layers: int):
+        model = _underlying(value_model)
+        self.backbone = getattr(model, model.base_model_prefix)
+        self.layers = layers
+
+    @staticmethod
+    def of(value_model: nn.Module) -> FrozenTrunk | None:
+        """The frozen trunk of `value_model` if it has one (a Llama-style backbone whose embeddings and first k >= 1
+        layers are all frozen, k < all layers) and the split forward gives its full forward's values; else None."""
+        model = _underlying(value_model)
+        backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        layers = getattr(backbone, "layers", None)
+        embed = getattr(backbone, "embed_tokens", None)
+        if not isinstance(layers, nn.ModuleList) or embed is None or not hasattr(model, "score") \
+                or any(p.requires_grad for p in embed.parameters()):
+            return None
+        k = 0
+        while k < len(layers) and not any(p.requires_grad for p in layers[k].parameters()):
+            k += 1
+        if k == 0 or k == len(layers):
+            return None
+        trunk = FrozenTrunk(value_model, k)
+        return trunk if trunk._split_matches(value_model) else None
+
+    @torch.no_grad()
+    def _split_matches(self, value_model: nn.Module) -> bool:
+        """One forward of 2 x 6 tokens both ways: a backbone that does more than embed -> layers -> norm (an
+        embedding scale, layers that read their index) keeps the full forward."""
+        vocab = _underlying(value_model).config.vocab_size
+        device = next(self.backbone.parameters()).device
+        ids = torch.arange(12, device=device).reshape(2, 6) % vocab
+        mask = torch.ones_like(ids)
+        mask[1, :2] = 0  # left padding, as rollouts have
+        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+        try:
+            full = scalar_head_outputs(value_model, inputs)
+            split = scalar_head_outputs(value_model, inputs, trunk=self, capture=True)[0]
+        except Exception:  # noqa: BLE001 - a backbone this does not fit: the full forward it is
+            return False
+        return full.shape == split.shape and torch.allclose(full.float(), split.float(), atol=1e-5, rtol=1e-4)
+
+    def same_weights_as(self, reference: nn.Module) -> bool:
+        """Whether `reference` (a causal LM, or a peft policy read with its adapters off) holds this trunk's exact
+        embeddings and lower layers: the critic built from the policy's own checkpoint. The reference pass then
+        computes the trunk's output on the way (`capture`), and the critic's frozen layers need not run at all."""
+        model = _underlying(reference)
+        backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        layers = getattr(backbone, "layers", None)
+        if not isinstance(layers, nn.ModuleList) or len(layers) < self.layers:
+            return False
+        pairs = [(self.backbone.embed_tokens, getattr(backbone, "embed_tokens", None))]
+        pairs += [(self.backbone.layers[i], layers[i]) for i in range(self.layers)]
+        for ours, theirs in pairs:
+            if theirs is None:
+                return False
+            # peft keeps a wrapped layer's own weight as `<name>.base_layer.weight`, beside its adapters' `lora_*`
+            their_params = {name.replace(".base_layer", ""): p for name, p in theirs.named_parameters()
+                            if "lora_" not in name}
+            our_params = dict(ours.named_parameters())
+            if their_params.keys() != our_params.keys() or not all(
+                    p.shape == their_params[n].shape and p.dtype == their_params[n].dtype
+                    and torch.equal(p, their_params[n].to(p.device)) for n, p in our_params.items()):
+                return False
+        return True
+
+    @staticmethod
+    def reference_layer(reference: nn.Module, index: int) -> nn.Module:
+        model = _underlying(reference)
+        return getattr(model, model.base_model_prefix).layers[index]
+
+    @contextmanager
+    def capture(self, layer: nn.Module):
+        """Inside: every output of `layer` (the reference's layer at the trunk's top) is appended to the list."""
+        captured: list[torch.Tensor] = []
+        handle = layer.register_forward_hook(lambda m, a, o: captured.append(o[0] if isinstance(o, tuple) else o))
+        try:
+            yield captured
+        finally:
+            handle.remove()
+
+    @contextmanager
+    def _only(self, layers: slice):
+        """The backbone with only `layers` of its decoder layers inside."""
+        full = self.backbone.layers
+        self.backbone.layers = full[layers]
+        try:
+            yield
+        finally:
+            self.backbone.layers = full
+
+    def hidden_states(self, inputs: dict) -> torch.Tensor:
+        """(B, L, H) the frozen layers' output: the input of the first trainable layer."""
+        with self.capture(self.backbone.layers[self.layers - 1]) as captured, self._only(slice(None, self.layers)):
+            self.backbone(**inputs, use_cache=False)
+        return captured[0]
+
+    def top(self, inputs: dict, hidden: torch.Tensor) -> torch.Tensor:
+        """(B, L, H) last hidden state of the backbone run from its first trainable layer on, over `hidden`."""
+        with self._only(slice(self.layers, None)):
+            return self.backbone(inputs_embeds=hidden, attention_mask=inputs["attention_mask"],
+                                 position_ids=inputs["position_ids"], use_cache=False).last_hidden_state
 
 
 class PolicyAndValueWrapper(nn.Module):
@@ -278,6 +396,7 @@ class PolicyAndValueWrapper(nn.Module):
         self.policy = policy
         self.value_model = value_model
         self.gradient_checkpointing_kwargs: dict | None = None
+        self.value_trunk: FrozenTrunk | None = None  # set by the trainer where the engine allows (PPOTrainer)
 
     @property
     def _no_split_modules(self) -> list[str]:
@@ -312,14 +431,25 @@ class PolicyAndValueWrapper(nn.Module):
             if getattr(module, "supports_gradient_checkpointing", False):
                 module.gradient_checkpointing_disable()
 
-    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int = 0, role: str = "both"):
+    def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int = 0, role: str = "both",
+                trunk_hidden: torch.Tensor | None = None):
         """-> (policy logits (B, L', V), values (B, L)); L' = `logits_to_keep` where the policy supports it.
-        role="value": the values alone (a rollout whose π_old is the sampler's, `PPOConfig.rollout_logprobs`)."""
+        role="value": the values alone (a rollout whose π_old is the sampler's, `PPOConfig.rollout_logprobs`);
+        role="policy": the logits alone (critic warmup's gradient-free policy pass).
+        With `value_trunk` set the values come with the frozen trunk's (B, L, H) output as a last element, unless
+        `trunk_hidden` (that output, kept by the rollout) is given: then only the critic's top layers run."""
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
-        if role not in ("both", "value"):
-            raise ValueError(f"role={role!r} is not one of 'both', 'value'.")
-        values = scalar_head_outputs(self.value_model, inputs)
-        return values if role == "value" else (lm_logits(self.policy, inputs, logits_to_keep), values)
+        if role not in ("both", "value", "policy"):
+            raise ValueError(f"role={role!r} is not one of 'both', 'value', 'policy'.")
+        if role == "policy":
+            return lm_logits(self.policy, inputs, logits_to_keep)
+        if self.value_trunk is not None and trunk_hidden is None:  # (values, the trunk's output)
+            out = scalar_head_outputs(self.value_model, inputs, self.value_trunk, capture=True)
+        else:
+            out = (scalar_head_outputs(self.value_model, inputs, self.value_trunk, trunk_hidden=trunk_hidden),)
+        if role == "value":
+            return out if len(out) > 1 else out[0]
+        return lm_logits(self.policy, inputs, logits_to_keep), *out
 
 
 # ---------------------------------------------------------------------------------------------------- shared base

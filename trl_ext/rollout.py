@@ -29,6 +29,8 @@ class Rollout:
     sampler_weights: torch.Tensor | None = None  # (B, T) π_old / π_sampler, truncated or masked (the policy loss's
     # per-token weights when vllm_importance_sampling_correction is on; core.sampler_correction_weights); 0 outside
     advantage_lam: torch.Tensor | None = None  # (B,) the policy's GAE λ of each rollout, with length_adaptive_alpha
+    value_trunk_hidden: torch.Tensor | None = None  # (B, Q+T, H) the output of the critic's frozen lower layers
+    # (models.FrozenTrunk): the update runs only the layers above it
 
     def __len__(self) -> int:
         return self.queries.shape[0]

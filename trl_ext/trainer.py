@@ -25,7 +25,7 @@ from pathlib import Path
 
 import torch
 from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin, gather_object
+from accelerate.utils import DistributedType, GradientAccumulationPlugin, gather_object
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
@@ -79,6 +79,7 @@ from .engines import (
 )
 from .models import (
     LOGPROB_CHUNK,
+    FrozenTrunk,
     PolicyAndValueWrapper,
     Sampling,
     SharedBaseModels,
@@ -184,6 +185,7 @@ class PPOTrainer(PPOTrainerBase):
         self._setup_trainer_internals()
         self._setup_data(train_dataset, eval_dataset, data_collator)
         self._place_frozen_models()
+        self._setup_value_trunk()
         self.vllm = self._setup_vllm() if args.use_vllm else None
         # each process samples its own responses; seeded last, as DeepSpeed's engine set-up may draw random numbers
         torch.manual_seed(self.local_seed)
@@ -483,6 +485,40 @@ class PPOTrainer(PPOTrainerBase):
             for module in self._frozen_scorer_models():
                 module.to(accelerator.device)
 
+    def _setup_value_trunk(self) -> None:
+        """The critic's frozen lower layers run once per rollout, not again in each minibatch (`FrozenTrunk`); not
+        with a shared base (one backbone for both roles) or under DeepSpeed/FSDP (their engines own the layers).
+        Where the reference holds those same weights (a critic built from the policy's checkpoint, the reference the
+        policy with its adapter off or a copy), the reference pass computes their output and they never run."""
+        self.trunk_source = None  # the reference's layer whose output is the critic's trunk output
+        if self.shared is not None or self.is_deepspeed_enabled or self.is_fsdp_enabled:
+            return
+        self.unwrapped.value_trunk = trunk = FrozenTrunk.of(self.unwrapped.value_model)
+        reference = self.ref_model if self.ref_model is not None else self.unwrapped.policy
+        if trunk is None or self.ref_adapter_name or not trunk.same_weights_as(reference):
+            return
+        layer = FrozenTrunk.reference_layer(reference, trunk.layers - 1)
+        # the same numbers on the reference's real path (its adapter disabled, its precision) or not at all
+        ids = torch.arange(12, device=self.accelerator.device).reshape(2, 6) % self.policy_model.config.vocab_size
+        mask = torch.ones_like(ids, dtype=torch.bool)
+        mask[1, :2] = False
+        inputs = sequence_inputs(ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:])
+        with torch.no_grad(), self.accelerator.autocast():
+            with trunk.capture(layer) as captured:
+                self._ref_logprobs(inputs, ids[:, 4:])
+            own = trunk.hidden_states(inputs)
+        if len(captured) == 1 and torch.allclose(captured[0].float(), own.float(), atol=1e-5, rtol=1e-4):
+            self.trunk_source = layer
+
+    @contextmanager
+    def _reference_trunk(self):
+        """Inside: the critic's trunk output as the reference pass computes it ([] unless `trunk_source`)."""
+        if self.trunk_source is None:
+            yield []
+        else:
+            with self.unwrapped.value_trunk.capture(self.trunk_source) as captured:
+                yield captured
+
     def _setup_vllm(self):
         """The colocated vLLM engine of `use_vllm` (trl_ext/vllm_sampler.py)."""
         from .vllm_sampler import VLLMSampler, vllm_available
@@ -691,24 +727,30 @@ class PPOTrainer(PPOTrainerBase):
         T = responses.shape[1]
 
         self._phase("scoring")
-        logprobs, ref_logprobs, values, scores, source_scores = [], [], [], [], []
+        logprobs, ref_logprobs, values, scores, source_scores, trunk_hidden = [], [], [], [], [], []
+        keep_trunk = getattr(self.unwrapped, "value_trunk", None) is not None  # the critic's frozen trunk output
         for s in self._chunks(queries.shape[0]):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
-            # 3. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses.
+            # 3. reference log-probs; a reference holding the critic's frozen lower layers (a critic built from the
+            # policy's checkpoint) computes their output on the way (`_setup_value_trunk`)
+            with accelerator.autocast(), self._reference_trunk() as captured:
+                ref_logprobs.append(self._ref_logprobs(inputs, responses[s]))
+            # 4. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses.
             # Only the last T + 1 positions' logits are computed; log-probs in chunks; the logits freed at once.
             # rollout_logprobs="sampler": π_old is the sampler's own log-probs, and the values are computed alone.
+            trunk = {"trunk_hidden": captured[0] if captured else None} if keep_trunk else {}
             if args.rollout_logprobs == "sampler":
-                value = self.model(**inputs, role="value")
+                out = self.model(**inputs, role="value", **trunk)
+                value, *hidden = out if isinstance(out, tuple) else (out,)
                 logprobs.append(sampler_logprobs[s].to(value.device) * response_mask[s])
             else:
-                logits, value = self.model(**inputs, logits_to_keep=T + 1)
+                logits, value, *hidden = self.model(**inputs, logits_to_keep=T + 1, **trunk)
                 logprobs.append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:],
                                                args.temperature, LOGPROB_CHUNK))
                 del logits
             values.append(value[:, -T - 1 : -1].float())
-            # 4. reference log-probs
+            trunk_hidden += hidden or captured
             with accelerator.autocast():
-                ref_logprobs.append(self._ref_logprobs(inputs, responses[s]))
                 # 5. scores of the response cut after its stop token
                 extra = {k: v[s] for k, v in (extra_columns or {}).items()}
                 combined, per_source = self.reward_scorer(queries[s], query_mask[s], responses[s], response_mask[s],
@@ -759,7 +801,8 @@ class PPOTrainer(PPOTrainerBase):
                        logprobs=logprobs, ref_logprobs=ref_logprobs, values=values, scores=scores, kl=kl,
                        rewards=rewards, advantages=advantages, returns=returns, source_scores=source_scores,
                        sampler_logprobs=sampler_logprobs, sampler_weights=sampler_weights,
-                       advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None)
+                       advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None,
+                       value_trunk_hidden=torch.cat(trunk_hidden) if keep_trunk else None)
 
     # ------------------------------------------------------------------------------------------------ update
     def _backward(self, loss: torch.Tensor) -> None:
@@ -891,12 +934,24 @@ class PPOTrainer(PPOTrainerBase):
         """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
         micro-batch's share of the minibatch's losses, see `ppo_update`)."""
         T = micro.responses.shape[1]
-        logits, values = self.model(**inputs, logits_to_keep=T + 1)
+        if critic_only and self.accelerator.distributed_type == DistributedType.NO:
+            # warmup on one plain process: the policy's forward (for its stats) without a graph, the critic's alone;
+            # its gradients would be dropped before the optimizer step anyway
+            with torch.no_grad():
+                logits = self.model(**inputs, logits_to_keep=T + 1, role="policy")
+                pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, denominator)
+            del logits
+            values = self.model(**inputs, role="value", trunk_hidden=micro.value_trunk_hidden)
+            vf_loss, vf_stats = self._value_terms(values, micro, denominator)
+            self._backward(self.vf_coef * vf_loss * loss_scale)
+            return pg_stats, vf_stats, entropy
+        # the critic runs its trainable top layers only, over its frozen trunk's output kept by the rollout
+        logits, values = self.model(**inputs, logits_to_keep=T + 1, trunk_hidden=micro.value_trunk_hidden)
         pg_loss, pg_stats, entropy = self._policy_terms(logits, micro, denominator)
         del logits
         vf_loss, vf_stats = self._value_terms(values, micro, denominator)
-        # in warmup the policy term is kept at weight 0 so every parameter still gets a gradient (DDP needs that);
-        # those zeros are dropped before the optimizer step
+        # in warmup under DDP/DeepSpeed/FSDP the policy term is kept at weight 0 so every parameter still gets a
+        # gradient (DDP needs that); those zeros are dropped before the optimizer step
         loss = (0.0 if critic_only else 1.0) * pg_loss + self.vf_coef * vf_loss
         self._backward(loss * loss_scale)
         return pg_stats, vf_stats, entropy
