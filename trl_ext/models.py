@@ -278,6 +278,15 @@ def scalar_head_outputs(model: nn.Module, inputs: dict, trunk: FrozenTrunk | Non
     return (values, trunk_hidden) if capture else values
 
 
+def probe_batch(vocab_size: int, device) -> tuple[dict, torch.Tensor]:
+    """A check's input: 2 rows of a 4-token prompt (one left-padded) and 2 response tokens, as `sequence_inputs`
+    builds them, and the (2, 2) responses."""
+    ids = torch.arange(12, device=device).reshape(2, 6) % vocab_size
+    mask = torch.ones_like(ids, dtype=torch.bool)
+    mask[1, :2] = False
+    return sequence_inputs(ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:]), ids[:, 4:]
+
+
 class FrozenTrunk:
     """The frozen lower part of a Llama-style value model (`freeze_backbone`): its embeddings and first `layers`
     decoder layers train nothing, so their output for a rollout is the same at every minibatch of the iteration. The
@@ -312,12 +321,7 @@ class FrozenTrunk:
     def _split_matches(self, value_model: nn.Module) -> bool:
         """One forward of 2 x 6 tokens both ways: a backbone that does more than embed -> layers -> norm (an
         embedding scale, layers that read their index) keeps the full forward."""
-        vocab = _underlying(value_model).config.vocab_size
-        device = next(self.backbone.parameters()).device
-        ids = torch.arange(12, device=device).reshape(2, 6) % vocab
-        mask = torch.ones_like(ids)
-        mask[1, :2] = 0  # left padding, as rollouts have
-        inputs = {"input_ids": ids, "attention_mask": mask, "position_ids": position_ids_from_mask(mask)}
+        inputs, _ = probe_batch(_underlying(value_model).config.vocab_size, next(self.backbone.parameters()).device)
         try:
             full = scalar_head_outputs(value_model, inputs)
             split = scalar_head_outputs(value_model, inputs, trunk=self, capture=True)[0]

@@ -90,6 +90,7 @@ from .models import (
     is_quantized,
     lora_for_quantized_value_model,
     model_input_ids,
+    probe_batch,
     response_logprobs,
     sampling_config,
     sequence_inputs,
@@ -499,13 +500,10 @@ class PPOTrainer(PPOTrainerBase):
             return
         layer = FrozenTrunk.reference_layer(reference, trunk.layers - 1)
         # the same numbers on the reference's real path (its adapter disabled, its precision) or not at all
-        ids = torch.arange(12, device=self.accelerator.device).reshape(2, 6) % self.policy_model.config.vocab_size
-        mask = torch.ones_like(ids, dtype=torch.bool)
-        mask[1, :2] = False
-        inputs = sequence_inputs(ids[:, :4], mask[:, :4], ids[:, 4:], mask[:, 4:])
+        inputs, responses = probe_batch(self.policy_model.config.vocab_size, self.accelerator.device)
         with torch.no_grad(), self.accelerator.autocast():
             with trunk.capture(layer) as captured:
-                self._ref_logprobs(inputs, ids[:, 4:])
+                self._ref_logprobs(inputs, responses)
             own = trunk.hidden_states(inputs)
         if len(captured) == 1 and torch.allclose(captured[0].float(), own.float(), atol=1e-5, rtol=1e-4):
             self.trunk_source = layer

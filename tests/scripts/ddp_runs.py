@@ -41,7 +41,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 import trl_ext.trainer as trainer_module
 from trl_ext import PPOConfig, PPOTrainer
-from trl_ext.models import build_shared_base
+from trl_ext.models import build_shared_base, freeze_backbone
 from trl_ext.models import generate_responses as _generate
 from trl_ext.testing import quantized_4bit, tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
@@ -95,19 +95,26 @@ class StopAt(TrainerCallback):
 _WHOLE_MODELS: dict = {}
 
 
-def whole_models(tok, eos_bias: float) -> tuple:
+def whole_models(tok, eos_bias: float, frozen_critic: bool = False) -> tuple:
     """Copies of the policy (EOS logit bias 0 or 2), reward and value models, all built at the first call, before any
     PPOConfig exists: once one does under a ZeRO-3 launch, transformers builds every model partitioned (zero.Init),
-    with other random weights."""
+    with other random weights. frozen_critic: the value model is the policy's backbone with a new head and its lower
+    layer frozen (the quickstart's layout: the reference pass gives the critic's trunk, `models.FrozenTrunk`)."""
     if not _WHOLE_MODELS:
         for bias in (0.0, 2.0):
-            _WHOLE_MODELS[bias] = (tiny_causal_lm(tok, seed=0, token_bias={tok.eos_token_id: bias} if bias else None),
-                                   tiny_scalar_model(tok, seed=2), tiny_scalar_model(tok, seed=1))
-    return tuple(copy.deepcopy(m) for m in _WHOLE_MODELS[eos_bias])
+            policy = tiny_causal_lm(tok, seed=0, token_bias={tok.eos_token_id: bias} if bias else None)
+            config = copy.deepcopy(policy.config)
+            config.num_labels = 1
+            frozen = AutoModelForSequenceClassification.from_config(config)
+            frozen.model.load_state_dict(policy.model.state_dict())
+            freeze_backbone(frozen, 1)
+            _WHOLE_MODELS[bias] = (policy, tiny_scalar_model(tok, seed=2), tiny_scalar_model(tok, seed=1), frozen)
+    policy, reward, value, frozen = _WHOLE_MODELS[eos_bias]
+    return tuple(copy.deepcopy(m) for m in (policy, reward, frozen if frozen_critic else value))
 
 
 def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: float = 0.0, lora: bool = False,
-          from_disk: bool = False, **overrides) -> PPOTrainer:
+          from_disk: bool = False, frozen_critic: bool = False, **overrides) -> PPOTrainer:
     """The models are whole (under ZeRO-3 the engine partitions them when the trainer prepares them)."""
     tok = tiny_tokenizer()
     kwargs = dict(output_dir=out_dir, per_device_train_batch_size=per_device, gradient_accumulation_steps=1,
@@ -117,7 +124,7 @@ def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: flo
                   logging_steps=1, seed=5, gradient_checkpointing=False)
     eval_dataset = overrides.pop("eval_dataset", None)
     kwargs.update(overrides)
-    policy, reward_model, value_model = whole_models(tok, eos_bias)
+    policy, reward_model, value_model = whole_models(tok, eos_bias, frozen_critic)
     args = PPOConfig(**kwargs)
     if from_disk:  # saved by the main process after the config (and a ZeRO-3 launch) exists, loaded by each
         folder = os.path.join(out_dir, "models")
@@ -182,7 +189,8 @@ def summary(trainer: PPOTrainer) -> dict:
     return {"policy": roles.get("policy"), "value": roles.get("value"),
             "logs": [h for h in trainer.state.log_history if "objective/scores" in h],
             "global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes,
-            "engine": trainer.accelerator.distributed_type.value, "sharded": sharded(trainer)}
+            "engine": trainer.accelerator.distributed_type.value, "sharded": sharded(trainer),
+            "trunk_from_reference": getattr(trainer, "trunk_source", None) is not None}
 
 
 def sharded(trainer: PPOTrainer) -> str:
@@ -197,10 +205,10 @@ def run(name: str, out: str) -> dict:
     per_device = GLOBAL_BATCH // _world_size_hint()
     run_dir = os.path.join(out, name)
     initial = None
-    if name in ("matched", "matched_lora"):
+    if name in ("matched", "matched_lora", "matched_trunk"):
         with matched_sampling():  # ragged responses: stop at a likely EOS; critic warmup, then 2 PPO steps
-            t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0, lora=name == "matched_lora",
-                      critic_warmup_steps=1)
+            t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0, lora=name != "matched",
+                      frozen_critic=name == "matched_trunk", critic_warmup_steps=1)
             t.train()
     elif name == "warmup":  # one critic-warmup step with weight decay: the policy must not move at all
         t = build(run_dir, per_device, 1, critic_warmup_steps=1, weight_decay=0.1)
@@ -238,8 +246,8 @@ def run(name: str, out: str) -> dict:
             t = make(interrupted, per_device, RESUME_STEPS, save_strategy="steps", save_steps=1)
             t.train(resume_from_checkpoint=os.path.join(interrupted, "checkpoint-2"))
     else:
-        raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, warmup, loaded, [shared_]straight, "
-                         "[shared_]interrupted, [shared_]resumed, shared_matched")
+        raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, matched_trunk, warmup, loaded, "
+                         "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched")
     result = summary(t) | {"initial": initial}
     if t.accelerator.is_main_process:
         torch.save(result, os.path.join(out, f"{name}.pt"))
