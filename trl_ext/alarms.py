@@ -419,8 +419,10 @@ class AlarmMonitor:
                                   "top_p / repetition_penalty altering the sampling distribution, the same "
                                   "temperature), the precision (bf16/fp16/quantization: generate and train in the "
                                   "same dtype) and dropout (set the model config's *dropout fields to 0); for a "
-                                  "mismatch that remains (bf16), vllm_importance_sampling_correction=True weights "
-                                  "the policy loss by π_old / π_sampler.",
+                                  "mismatch that remains (bf16): with rollout_logprobs=\"sampler\" it is in the "
+                                  "ratio itself, rollout_logprobs=\"trainer\" recomputes π_old in the loss's "
+                                  "precision; there vllm_importance_sampling_correction=True weights the policy "
+                                  "loss by π_old / π_sampler.",
             "value_lag": "the critic predicts the returns no better than their mean, so the advantages are noise. "
                          "Remedy: raise critic_warmup_steps, raise critic_learning_rate, raise vf_coef, or start the "
                          "critic from a better value_model_init (\"reward_model\" or \"policy\").",

@@ -256,26 +256,26 @@ def generate_responses(policy, queries, query_mask, sampling: Sampling,
     return responses, logprobs
 
 
-def scalar_head_outputs(model: nn.Module, inputs: dict, trunk: FrozenTrunk | None = None, capture: bool = False,
-                        trunk_hidden: torch.Tensor | None = None):
+def scalar_head_outputs(model: nn.Module, inputs: dict, trunk: FrozenTrunk | None = None,
+                        trunk_hidden: torch.Tensor | None = None) -> torch.Tensor:
     """(B, L) per-position scalar of a sequence-classification model (TRL's reward/value model layout: a backbone
     under `base_model_prefix` and a `score` head; a peft-wrapped one is read through its active adapter).
-    With a `FrozenTrunk`: `capture` also returns its (B, L, H) output, and `trunk_hidden` (that output) runs only
-    the layers above it."""
-    underlying = _underlying(model)
+    With a `FrozenTrunk` and its (B, L, H) output `trunk_hidden`, only the layers above the trunk run."""
     if trunk is not None and trunk_hidden is not None:
         hidden = trunk.top(inputs, trunk_hidden)
-    elif trunk is not None and capture:
-        trunk_hidden = trunk.hidden_states(inputs)
-        hidden = trunk.top(inputs, trunk_hidden)
     else:
-        hidden = getattr(underlying, underlying.base_model_prefix)(**inputs, use_cache=False).last_hidden_state
-    score = underlying.score
+        hidden = _backbone(model)(**inputs, use_cache=False).last_hidden_state
+    score = _underlying(model).score
     weight = getattr(score, "weight", None)
     if weight is not None and weight.dtype != hidden.dtype and weight.dtype.is_floating_point:
         hidden = hidden.to(weight.dtype)  # a head kept in fp32 over a bf16 / 4-bit backbone
-    values = score(hidden).squeeze(-1)  # (B, L)
-    return (values, trunk_hidden) if capture else values
+    return score(hidden).squeeze(-1)  # (B, L)
+
+
+def _backbone(model: nn.Module) -> nn.Module | None:
+    """The decoder under `base_model_prefix` of a transformers model (read through a peft wrapper)."""
+    model = _underlying(model)
+    return getattr(model, getattr(model, "base_model_prefix", ""), None)
 
 
 def probe_batch(vocab_size: int, device) -> tuple[dict, torch.Tensor]:
@@ -290,23 +290,21 @@ def probe_batch(vocab_size: int, device) -> tuple[dict, torch.Tensor]:
 class FrozenTrunk:
     """The frozen lower part of a Llama-style value model (`freeze_backbone`): its embeddings and first `layers`
     decoder layers train nothing, so their output for a rollout is the same at every minibatch of the iteration. The
-    rollout keeps it (`scalar_head_outputs(..., trunk=, capture=True)`) and the update runs the trainable top alone
-    from it (`trunk_hidden=`): the critic's forward in the update costs its top layers, not the whole model."""
+    rollout keeps it (`hidden_states`) and the update runs the trainable top alone from it
+    (`scalar_head_outputs(..., trunk, trunk_hidden)`): the critic's forward in the update costs its top layers."""
 
     def __init__(self, value_model: nn.Module, layers: int):
-        model = _underlying(value_model)
-        self.backbone = getattr(model, model.base_model_prefix)
+        self.backbone = _backbone(value_model)
         self.layers = layers
 
     @staticmethod
     def of(value_model: nn.Module) -> FrozenTrunk | None:
         """The frozen trunk of `value_model` if it has one (a Llama-style backbone whose embeddings and first k >= 1
         layers are all frozen, k < all layers) and the split forward gives its full forward's values; else None."""
-        model = _underlying(value_model)
-        backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        backbone = _backbone(value_model)
         layers = getattr(backbone, "layers", None)
         embed = getattr(backbone, "embed_tokens", None)
-        if not isinstance(layers, nn.ModuleList) or embed is None or not hasattr(model, "score") \
+        if not isinstance(layers, nn.ModuleList) or embed is None or not hasattr(_underlying(value_model), "score") \
                 or any(p.requires_grad for p in embed.parameters()):
             return None
         k = 0
@@ -324,7 +322,7 @@ class FrozenTrunk:
         inputs, _ = probe_batch(_underlying(value_model).config.vocab_size, next(self.backbone.parameters()).device)
         try:
             full = scalar_head_outputs(value_model, inputs)
-            split = scalar_head_outputs(value_model, inputs, trunk=self, capture=True)[0]
+            split = scalar_head_outputs(value_model, inputs, self, self.hidden_states(inputs))
         except Exception:  # noqa: BLE001 - a backbone this does not fit: the full forward it is
             return False
         return full.shape == split.shape and torch.allclose(full.float(), split.float(), atol=1e-5, rtol=1e-4)
@@ -333,8 +331,7 @@ class FrozenTrunk:
         """Whether `reference` (a causal LM, or a peft policy read with its adapters off) holds this trunk's exact
         embeddings and lower layers: the critic built from the policy's own checkpoint. The reference pass then
         computes the trunk's output on the way (`capture`), and the critic's frozen layers need not run at all."""
-        model = _underlying(reference)
-        backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+        backbone = _backbone(reference)
         layers = getattr(backbone, "layers", None)
         if not isinstance(layers, nn.ModuleList) or len(layers) < self.layers:
             return False
@@ -353,10 +350,9 @@ class FrozenTrunk:
                 return False
         return True
 
-    @staticmethod
-    def reference_layer(reference: nn.Module, index: int) -> nn.Module:
-        model = _underlying(reference)
-        return getattr(model, model.base_model_prefix).layers[index]
+    def reference_layer(self, reference: nn.Module) -> nn.Module:
+        """The reference's layer whose output is this trunk's output (after `same_weights_as`)."""
+        return _backbone(reference).layers[self.layers - 1]
 
     @contextmanager
     def capture(self, layer: nn.Module):
@@ -440,20 +436,15 @@ class PolicyAndValueWrapper(nn.Module):
         """-> (policy logits (B, L', V), values (B, L)); L' = `logits_to_keep` where the policy supports it.
         role="value": the values alone (a rollout whose π_old is the sampler's, `PPOConfig.rollout_logprobs`);
         role="policy": the logits alone (critic warmup's gradient-free policy pass).
-        With `value_trunk` set the values come with the frozen trunk's (B, L, H) output as a last element, unless
-        `trunk_hidden` (that output, kept by the rollout) is given: then only the critic's top layers run."""
+        trunk_hidden: the output of the critic's frozen trunk (`value_trunk`, kept by the rollout): only the
+        critic's layers above it run."""
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask, "position_ids": position_ids}
         if role not in ("both", "value", "policy"):
             raise ValueError(f"role={role!r} is not one of 'both', 'value', 'policy'.")
         if role == "policy":
             return lm_logits(self.policy, inputs, logits_to_keep)
-        if self.value_trunk is not None and trunk_hidden is None:  # (values, the trunk's output)
-            out = scalar_head_outputs(self.value_model, inputs, self.value_trunk, capture=True)
-        else:
-            out = (scalar_head_outputs(self.value_model, inputs, self.value_trunk, trunk_hidden=trunk_hidden),)
-        if role == "value":
-            return out if len(out) > 1 else out[0]
-        return lm_logits(self.policy, inputs, logits_to_keep), *out
+        values = scalar_head_outputs(self.value_model, inputs, self.value_trunk, trunk_hidden)
+        return values if role == "value" else (lm_logits(self.policy, inputs, logits_to_keep), values)
 
 
 # ---------------------------------------------------------------------------------------------------- shared base

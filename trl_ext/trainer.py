@@ -498,7 +498,7 @@ class PPOTrainer(PPOTrainerBase):
         reference = self.ref_model if self.ref_model is not None else self.unwrapped.policy
         if trunk is None or self.ref_adapter_name or not trunk.same_weights_as(reference):
             return
-        layer = FrozenTrunk.reference_layer(reference, trunk.layers - 1)
+        layer = trunk.reference_layer(reference)
         # the same numbers on the reference's real path (its adapter disabled, its precision) or not at all
         inputs, responses = probe_batch(self.policy_model.config.vocab_size, self.accelerator.device)
         with torch.no_grad(), self.accelerator.autocast():
@@ -726,7 +726,7 @@ class PPOTrainer(PPOTrainerBase):
 
         self._phase("scoring")
         logprobs, ref_logprobs, values, scores, source_scores, trunk_hidden = [], [], [], [], [], []
-        keep_trunk = getattr(self.unwrapped, "value_trunk", None) is not None  # the critic's frozen trunk output
+        value_trunk = getattr(self.unwrapped, "value_trunk", None)  # the critic's frozen trunk, its output kept
         for s in self._chunks(queries.shape[0]):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
             # 3. reference log-probs; a reference holding the critic's frozen lower layers (a critic built from the
@@ -736,18 +736,22 @@ class PPOTrainer(PPOTrainerBase):
             # 4. behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses.
             # Only the last T + 1 positions' logits are computed; log-probs in chunks; the logits freed at once.
             # rollout_logprobs="sampler": π_old is the sampler's own log-probs, and the values are computed alone.
-            trunk = {"trunk_hidden": captured[0] if captured else None} if keep_trunk else {}
+            trunk = {}
+            if value_trunk is not None:
+                if not captured:
+                    with accelerator.autocast():
+                        captured.append(value_trunk.hidden_states(inputs))
+                trunk = {"trunk_hidden": captured[0]}
+                trunk_hidden.append(captured[0])
             if args.rollout_logprobs == "sampler":
-                out = self.model(**inputs, role="value", **trunk)
-                value, *hidden = out if isinstance(out, tuple) else (out,)
+                value = self.model(**inputs, role="value", **trunk)
                 logprobs.append(sampler_logprobs[s].to(value.device) * response_mask[s])
             else:
-                logits, value, *hidden = self.model(**inputs, logits_to_keep=T + 1, **trunk)
+                logits, value = self.model(**inputs, logits_to_keep=T + 1, **trunk)
                 logprobs.append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:],
                                                args.temperature, LOGPROB_CHUNK))
                 del logits
             values.append(value[:, -T - 1 : -1].float())
-            trunk_hidden += hidden or captured
             with accelerator.autocast():
                 # 5. scores of the response cut after its stop token
                 extra = {k: v[s] for k, v in (extra_columns or {}).items()}
@@ -800,7 +804,7 @@ class PPOTrainer(PPOTrainerBase):
                        rewards=rewards, advantages=advantages, returns=returns, source_scores=source_scores,
                        sampler_logprobs=sampler_logprobs, sampler_weights=sampler_weights,
                        advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None,
-                       value_trunk_hidden=torch.cat(trunk_hidden) if keep_trunk else None)
+                       value_trunk_hidden=torch.cat(trunk_hidden) if value_trunk is not None else None)
 
     # ------------------------------------------------------------------------------------------------ update
     def _backward(self, loss: torch.Tensor) -> None:
