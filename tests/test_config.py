@@ -55,7 +55,7 @@ def test_kl_estimators_accepted(tmp_path, estimator):
         ("num_ppo_epochs", 0, r"num_ppo_epochs=0 must be >= 1"),
         ("num_mini_batches", 0, r"num_mini_batches=0 must be >= 1"),
         ("local_rollout_forward_batch_size", 0, r"local_rollout_forward_batch_size=0 must be >= 1"),
-        ("missing_eos_penalty", -1.0, r"missing_eos_penalty=-1.0 must be a positive number"),
+        ("missing_eos_penalty", -1.0, r"missing_eos_penalty=-1.0 must be >= 0"),
         ("total_episodes", 0, r"total_episodes=0 must be >= 1"),
         ("rollout_logprobs", "engine", r"rollout_logprobs='engine'.*\('trainer', 'sampler'\)"),
     ],

@@ -142,7 +142,7 @@ def test_errors_for_bad_setups(tmp_path):
 
         PPOTrainer(args=PPOConfigBase(output_dir=str(tmp_path), bf16=False), model=tiny_causal_lm(tok),
                    train_dataset=tiny_prompt_dataset(tok, 4), **common)
-    with pytest.raises(ValueError, match="missing_eos_penalty is set but there is no stop token"):
+    with pytest.raises(ValueError, match="missing_eos_penalty=1.0 is set but there is no stop token"):
         PPOTrainer(args=args(tmp_path, stop_token="none", missing_eos_penalty=1.0), model=tiny_causal_lm(tok),
                    train_dataset=tiny_prompt_dataset(tok, 4), **common)
 

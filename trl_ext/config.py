@@ -307,13 +307,24 @@ class PPOConfig(PPOConfigBase):
               f"stop_token={self.stop_token!r} is not one of None, 'eos', 'none'; use stop_token_id=<id> for any "
               "other token.")
         check(not (self.stop_token is not None and self.stop_token_id is not None),
-              f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} are both set; set only one.")
-        check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (it is the weight of the KL penalty).")
-        check(self.cliprange > 0, f"cliprange={self.cliprange} must be > 0 (typical: 0.2).")
-        check(self.cliprange_value > 0, f"cliprange_value={self.cliprange_value} must be > 0 (typical: 0.2).")
-        check(0 <= self.gamma <= 1, f"gamma={self.gamma} must be in [0, 1].")
-        check(0 <= self.lam <= 1, f"lam={self.lam} must be in [0, 1].")
-        check(self.vf_coef >= 0, f"vf_coef={self.vf_coef} must be >= 0.")
+              f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} are both set; set only one "
+              "(TRL refuses both too, except stop_token_id=0, which it then ignores).")
+        # TRL's own fields: TRL checks none of them. Every value it gives a meaning a run can want is accepted with
+        # that meaning (0 included where 0 means "off"); a refused value is one TRL turns into a run that cannot
+        # learn, diverges or crashes later, and the error says which (tests/test_trl_accepted_values.py lists them).
+        check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (0: no KL penalty): it is the weight of the "
+              "KL penalty, and TRL's negative weight pays the policy to move away from the reference.")
+        check(self.cliprange > 0, f"cliprange={self.cliprange} must be > 0 (typical: 0.2): TRL clips the ratio to "
+              "[1 - cliprange, 1 + cliprange], so at 0 no update moves the policy past the rollout's.")
+        check(self.cliprange_value > 0, f"cliprange_value={self.cliprange_value} must be > 0 (typical: 0.2): at 0 "
+              "TRL clips the values to the rollout's and the critic stops learning; for no value clipping use "
+              "vf_loss_type='mse'.")
+        check(0 <= self.gamma <= 1, f"gamma={self.gamma} must be in [0, 1] (TRL's PPO: 1.0): it discounts the "
+              "rewards of later tokens, and above 1 TRL's returns grow with the response length.")
+        check(0 <= self.lam <= 1, f"lam={self.lam} must be in [0, 1] (TRL: 0.95): GAE's λ weights the k-step "
+              "advantages by λ^k, which above 1 or below 0 no longer average.")
+        check(self.vf_coef >= 0, f"vf_coef={self.vf_coef} must be >= 0 (0: the policy's loss alone): a negative "
+              "weight makes TRL's loss reward the critic's error.")
         for name in ("clip_ratio_low", "clip_ratio_high"):
             value = getattr(self, name)
             check(value is None or value > 0, f"{name}={value} must be > 0 (DAPO: 0.2 low, 0.28 high), or None for "
@@ -335,15 +346,22 @@ class PPOConfig(PPOConfigBase):
         check(self.vf_huber_delta > 0, f"vf_huber_delta={self.vf_huber_delta} must be > 0 (typical: 1.0).")
         check(self.vf_coef_end is None or self.vf_coef_end >= 0,
               f"vf_coef_end={self.vf_coef_end} must be >= 0, or None for a constant vf_coef.")
-        check(self.temperature > 0, f"temperature={self.temperature} must be > 0 (1.0 samples from the policy as is).")
-        check(self.response_length >= 1, f"response_length={self.response_length} must be >= 1.")
-        check(self.num_ppo_epochs >= 1, f"num_ppo_epochs={self.num_ppo_epochs} must be >= 1.")
-        check(self.num_mini_batches >= 1, f"num_mini_batches={self.num_mini_batches} must be >= 1.")
+        check(self.temperature > 0, f"temperature={self.temperature} must be > 0 (1.0 samples from the policy as "
+              "is; 0.1 is near-greedy): TRL adds 1e-7 to it, so at 0 it samples greedily and its loss divides the "
+              "logits by 1e-7, and below 0 it samples the least likely tokens.")
+        check(self.response_length >= 1, f"response_length={self.response_length} must be >= 1 (TRL: 53): at 0 "
+              "there is no response to score or train on.")
+        check(self.num_ppo_epochs >= 1, f"num_ppo_epochs={self.num_ppo_epochs} must be >= 1 (TRL: 4): at 0 TRL "
+              "never updates the policy and logs NaN statistics.")
+        check(self.num_mini_batches >= 1, f"num_mini_batches={self.num_mini_batches} must be >= 1 (TRL: 1): TRL "
+              "divides the batch by it.")
         check(self.local_rollout_forward_batch_size >= 1,
-              f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1.")
-        check(self.missing_eos_penalty is None or self.missing_eos_penalty > 0,
-              f"missing_eos_penalty={self.missing_eos_penalty} must be a positive number (it is subtracted from the "
-              "score), or None to disable it.")
+              f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 (TRL: 64): "
+              "it is the step of TRL's rollout loop.")
+        check(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+              f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0, or None (0 and None: no penalty): "
+              "TRL subtracts it from the score of a response without the stop token, so a negative value rewards "
+              "running into response_length. Old TRL's penalty_reward_value=-1 is missing_eos_penalty=1.0.")
         check(self.kl_controller in KL_CONTROLLERS,
               f"kl_controller={self.kl_controller!r} is not one of {KL_CONTROLLERS}.")
         check(self.kl_controller != "adaptive" or self.kl_coef > 0,
@@ -404,4 +422,5 @@ class PPOConfig(PPOConfigBase):
         check(self.prompt_truncation in ("left", "drop"),
               f"prompt_truncation={self.prompt_truncation!r} is not one of ('left', 'drop').")
         check(self.total_episodes is None or self.total_episodes >= 1,
-              f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size).")
+              f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size): at 0 "
+              "TRL trains no step.")
