@@ -12,8 +12,11 @@ from transformers import (
     BertForSequenceClassification,
     GPT2Config,
     GPT2ForSequenceClassification,
+    PretrainedConfig,
+    PreTrainedModel,
     PreTrainedTokenizerFast,
 )
+from transformers.modeling_outputs import SequenceClassifierOutput
 
 from trl_ext.rewards import RewardNormalizer, RewardScorer, score_responses
 from trl_ext.testing import WORDS, tiny_scalar_model, tiny_tokenizer
@@ -106,9 +109,76 @@ def test_policy_tokenizer_given_as_reward_tokenizer_scores_ids_directly(policy_t
     torch.testing.assert_close(a, score_responses(rm, policy_tok, *batch), rtol=0, atol=0)
 
 
-def test_shared_model_without_score_head_is_a_type_error(policy_tok):
-    with pytest.raises(TypeError, match="score"):
-        RewardScorer(torch.nn.Linear(2, 1), policy_tok)
+class KeywordRewardModel(PreTrainedModel):
+    """A rule-based reward model as users write them (a PreTrainedModel with no backbone and no `score` head): its
+    forward decodes the ids and returns `logits` (B, 1): +1 per "yes", -1 per "no", -10 per "bad" (the junk after
+    the stop token, which it must never see), and `words` adds the number of words it read."""
+
+    config_class = PretrainedConfig
+
+    def __init__(self, tokenizer, words=False):
+        super().__init__(PretrainedConfig())
+        self.tokenizer, self.words = tokenizer, words
+        self.anchor = torch.nn.Parameter(torch.zeros(()))  # a device to follow, as a real module would have
+
+    def forward(self, input_ids, attention_mask=None):
+        texts = self.tokenizer.batch_decode(input_ids, skip_special_tokens=True)
+        values = [t.split().count("yes") - t.split().count("no") - 10 * t.split().count("bad")
+                  + (len(t.split()) if self.words else 0) for t in texts]
+        return SequenceClassifierOutput(logits=torch.tensor(values, dtype=torch.float32)[:, None] + self.anchor)
+
+
+class IdsOnly(torch.nn.Module):
+    """A bare module whose forward takes the ids alone and returns (B,) or (B, 1) as `shape` says."""
+
+    def __init__(self, shape):
+        super().__init__()
+        self.shape = shape
+
+    def forward(self, input_ids):
+        score = (input_ids == 7).sum(1).float()  # how many times token 7 occurs
+        return score if self.shape == "B" else score[:, None]
+
+
+def test_a_rule_based_reward_module_is_scored_on_the_policys_ids(policy_tok, batch):
+    """Issue 27: refused before ("no `score` head"); TRL 1.12 raises AttributeError on it."""
+    combined, per_source = RewardScorer(KeywordRewardModel(policy_tok), policy_tok)(*batch)
+    torch.testing.assert_close(combined, torch.tensor([1.0, -1.0, 0.0]), rtol=0, atol=0)  # by hand: COMPLETIONS
+    assert list(per_source) == ["KeywordRewardModel"]
+    # it reads the prompt and the completion, no padding (pad id at masked positions, skipped) and nothing after
+    # the stop token: the words it counts are those of PROMPTS + COMPLETIONS
+    words, _ = RewardScorer(KeywordRewardModel(policy_tok, words=True), policy_tok)(*batch)
+    expected = [len(p) + len(c) + (c.count("yes") - c.count("no")) for p, c in zip(PROMPTS, COMPLETIONS)]
+    torch.testing.assert_close(words, torch.tensor(expected, dtype=torch.float32), rtol=0, atol=0)
+    torch.testing.assert_close(score_responses(KeywordRewardModel(policy_tok), policy_tok, *batch), combined)
+
+
+@pytest.mark.parametrize("shape", ["B", "B1"])
+def test_a_module_returning_a_tensor_is_scored(policy_tok, batch, shape):
+    queries, query_mask, responses, response_mask = batch
+    combined, _ = RewardScorer(IdsOnly(shape), policy_tok)(*batch)
+    ids = torch.cat([queries.masked_fill(~query_mask, -1), responses.masked_fill(~response_mask, -1)], 1)
+    torch.testing.assert_close(combined, (ids == 7).sum(1).float(), rtol=0, atol=0)
+
+
+class Returns(torch.nn.Module):
+    def __init__(self, make):
+        super().__init__()
+        self.make = make
+
+    def forward(self, input_ids, attention_mask):
+        return self.make(input_ids)
+
+
+@pytest.mark.parametrize("make, what", [
+    (lambda ids: torch.zeros(ids.shape[0], 2), r"its output has shape \(3, 2\) for a batch of 3"),
+    (lambda ids: SequenceClassifierOutput(logits=torch.zeros(*ids.shape, 1)),
+     r"`logits` has shape \(3, \d+, 1\) for a batch of 3"),
+    (lambda ids: [0.0] * ids.shape[0], r"is a list, not a tensor"),
+])
+def test_a_module_output_that_is_no_score_per_row_names_its_shape_and_the_fix(policy_tok, batch, make, what):
+    with pytest.raises(ValueError, match=what + r".*return `logits` of shape \(B, 1\).*or a tensor of shape \(B,\)"):
+        RewardScorer(Returns(make), policy_tok)(*batch)
 
 
 # ---------------------------------------------------------------------------------------- (b) own tokenizer

@@ -4,7 +4,9 @@
 
 (a) a sequence-classification reward model that shares the policy's tokenizer: it reads the policy's token ids
     directly and its score is read at the last real token (found from the attention mask, positionally), so with
-    pad == EOS it still reads the EOS token, never the token before it;
+    pad == EOS it still reads the EOS token, never the token before it; a module without a `score` head (a
+    rule-based `PreTrainedModel`, any `nn.Module`) is called on the policy's ids and returns one score per row
+    (`module_scores`);
 (b) a sequence-classification reward model with its OWN tokenizer (`reward_tokenizers`, or a `(model, tokenizer)`
     tuple): the text is decoded from the policy's tokens, re-rendered and re-tokenized for it (see `RewardScorer`);
 (c) a Python function `(prompts: list[str], completions: list[str], **columns) -> list[float]`;
@@ -39,8 +41,10 @@ __all__ = [
     "RewardNormalizer",
     "RewardScorer",
     "check_reward_function_output",
+    "has_score_head",
     "is_reward_function",
     "load_reward_model",
+    "module_scores",
     "score_responses",
 ]
 
@@ -115,9 +119,49 @@ def score_responses(reward, tokenizer, queries, query_mask, responses, response_
                                              skip_special_tokens=True)
         return check_reward_function_output(reward(prompts, completions), len(prompts)).to(queries.device)
     inputs = sequence_inputs(queries, query_mask, responses, response_mask)
+    if not has_score_head(reward):
+        return module_scores(reward, inputs, tokenizer.pad_token_id).float()
     per_position = scalar_head_outputs(reward, inputs)  # (B, Q+T)
     last = last_true_index(inputs["attention_mask"].bool())  # (B,) the last real token of query+response
     return per_position.gather(1, last[:, None]).squeeze(1).float()
+
+
+def module_scores(model: nn.Module, inputs: dict, pad_token_id: int | None, name: str | None = None) -> torch.Tensor:
+    """(B,) scores of a reward module without a `score` head, on the policy's ids: `model(input_ids=...,
+    attention_mask=...)` (attention_mask only if its forward takes it), with the policy tokenizer's pad id at the
+    masked positions, as TRL's query_responses hold it (decoding with skip_special_tokens=True reads the real text
+    alone). It may return `logits` of shape (B, 1) (a SequenceClassifierOutput), a (B,) or (B, 1) tensor, or a tuple
+    whose first element is one."""
+    name = name or type(model).__name__
+    mask = inputs["attention_mask"].bool()
+    input_ids = inputs["input_ids"].masked_fill(~mask, 0 if pad_token_id is None else pad_token_id)
+    device = _model_device(model)
+    kwargs = {"input_ids": input_ids.to(device)}
+    try:
+        params = inspect.signature(model.forward).parameters
+        takes_mask = "attention_mask" in params or any(p.kind == p.VAR_KEYWORD for p in params.values())
+    except (TypeError, ValueError):
+        takes_mask = True
+    if takes_mask:
+        kwargs["attention_mask"] = inputs["attention_mask"].to(device)
+    out = model(**kwargs)
+    what = "its output"
+    if isinstance(out, Mapping) and "logits" in out or hasattr(out, "logits"):
+        out, what = out["logits"] if isinstance(out, Mapping) else out.logits, "`logits`"
+    elif isinstance(out, tuple) and out:  # a ModelOutput with return_dict=False
+        out, what = out[0], "the first element of its output"
+    B = input_ids.shape[0]
+    fix = ("return `logits` of shape (B, 1) (e.g. SequenceClassifierOutput(logits=scores[:, None])) or a tensor of "
+           "shape (B,), one score per row")
+    if not isinstance(out, torch.Tensor):
+        raise ValueError(f"reward model {name!r} ({type(model).__name__}) has no `score` head, so it is called as "
+                         f"model(input_ids, attention_mask) on the policy's ids; {what} is a {type(out).__name__}, "
+                         f"not a tensor: {fix}.")
+    if out.shape not in ((B,), (B, 1)):
+        raise ValueError(f"reward model {name!r} ({type(model).__name__}) has no `score` head, so it is called as "
+                         f"model(input_ids, attention_mask) on the policy's ids; {what} has shape "
+                         f"{tuple(out.shape)} for a batch of {B}: {fix}.")
+    return out.reshape(B)
 
 
 # ---------------------------------------------------------------------------------------------------- RewardScorer
@@ -127,7 +171,7 @@ def _is_tokenizer(obj) -> bool:
     return callable(obj) and hasattr(obj, "batch_decode") and hasattr(obj, "convert_tokens_to_ids")
 
 
-def _has_score_head(model: nn.Module) -> bool:
+def has_score_head(model: nn.Module) -> bool:
     """TRL's reward/value model layout: a backbone under `base_model_prefix` and a `score` head."""
     prefix = getattr(model, "base_model_prefix", None)
     return bool(prefix) and hasattr(model, prefix) and hasattr(model, "score")
@@ -142,7 +186,8 @@ def _model_device(model: nn.Module) -> torch.device:
 
 
 class _Source:
-    """One reward: kind "function", "model" (shares the policy tokenizer) or "text_model" (its own tokenizer)."""
+    """One reward: kind "function", "model" (shares the policy tokenizer, read at the last token), "module" (shares
+    it, no `score` head: scores whole rows) or "text_model" (its own tokenizer)."""
 
     def __init__(self, kind: str, obj, tokenizer=None):
         self.kind, self.obj, self.tokenizer = kind, obj, tokenizer
@@ -228,6 +273,9 @@ class RewardScorer:
               `model(input_ids=..., attention_mask=...).logits[:, 0]`.
               Keep it simple: the prompt is decoded as plain text. A prompt the policy's own chat template already
               rendered arrives with its role markers as text (their special tokens dropped), inside the user turn.
+            - a module without a `score` head that reads the policy's ids (a rule-based `PreTrainedModel` whose
+              `forward(input_ids, attention_mask)` decodes them, or any `nn.Module`): called on the policy's ids,
+              it returns `logits` (B, 1) or a tensor (B,) / (B, 1), one score per row (`module_scores`).
             - a Python callable `(prompts: list[str], completions: list[str], **columns) -> list[float]`.
               `prompts`/`completions` are decoded as above and passed positionally. Extra dataset columns
               (`extra_columns` at call time) are passed by keyword: only the ones its signature names, or all of
@@ -285,11 +333,8 @@ class RewardScorer:
         for src in sources:
             if src.kind == "function":
                 _inspect_function(src)
-            elif src.kind == "model" and not _has_score_head(src.obj):
-                raise TypeError(f"reward model {src.name!r} ({type(src.obj).__name__}) has no `score` head under "
-                                "TRL's layout (a backbone under `base_model_prefix` plus `score`), so it cannot be "
-                                "read at the last real token of the policy's ids. Pass a sequence-classification "
-                                "model, or give it its own tokenizer to score it through text.")
+            elif src.kind == "model" and not has_score_head(src.obj):
+                src.kind = "module"  # no TRL layout to read at the last token: the module scores whole rows
 
     # ----------------------------------------------------------------------------------------------- construction
     @staticmethod
@@ -428,6 +473,9 @@ class RewardScorer:
             elif src.kind == "model":
                 inputs = sequence_inputs(queries, query_mask, responses, response_mask)
                 scores = self._read_last_token(src.obj, inputs)
+            elif src.kind == "module":
+                inputs = sequence_inputs(queries, query_mask, responses, response_mask)
+                scores = module_scores(src.obj, inputs, self.policy_tokenizer.pad_token_id, src.name)
             else:
                 scores = self._score_text_model(src, text_cache, queries, query_mask, responses, response_mask)
             scores = scores.float().to(device)
@@ -541,7 +589,7 @@ class RewardScorer:
             add_special_tokens = True
         input_ids, attention_mask = self._tokenize(tok, texts, add_special_tokens)
         model = src.obj
-        if not _has_score_head(model):  # an encoder classifier (DeBERTa, BERT, ...): it pools its own way
+        if not has_score_head(model):  # an encoder classifier (DeBERTa, BERT, ...): it pools its own way
             device = _model_device(model)
             logits = model(input_ids=input_ids.to(device), attention_mask=attention_mask.to(device)).logits
             return logits[:, 0]

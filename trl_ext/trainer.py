@@ -97,7 +97,7 @@ from .models import (
 )
 from .progress import PPOProgress
 from .prompts import LeftPaddingCollator, prepare_prompts
-from .rewards import RewardNormalizer, RewardScorer
+from .rewards import RewardNormalizer, RewardScorer, has_score_head
 from .rollout import Rollout
 
 if is_peft_available():
@@ -478,7 +478,8 @@ class PPOTrainer(PPOTrainerBase):
 
             for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
                 for name, module in scorer.models.items():
-                    scorer.replace_model(name, prepare_deepspeed(module, accelerator))
+                    if any(True for _ in module.parameters()):  # a rule-based module has nothing to shard
+                        scorer.replace_model(name, prepare_deepspeed(module, accelerator))
             if self.ref_model is not None:
                 self.ref_model = prepare_deepspeed(self.ref_model, accelerator)
         else:
@@ -610,6 +611,10 @@ class PPOTrainer(PPOTrainerBase):
                              f"{len(models)} models ({list(models)}): pass a value_model (e.g. a copy of the one to "
                              "start from), or use value_model_init='policy'.")
         (name, reward_model), = models.items()
+        if not has_score_head(reward_model):
+            raise ValueError(f"value_model_init='reward_model' copies {name!r}, but it has no `score` head (a "
+                             "module that scores whole rows): a critic needs a value at every token. Use "
+                             "value_model_init='policy' or pass a value_model.")
         own = self.reward_scorer.tokenizer_of(name)
         if own is not None and own.get_vocab() != self.processing_class.get_vocab():
             raise ValueError(f"value_model_init='reward_model' copies {name!r}, which has its own tokenizer with "
