@@ -88,7 +88,6 @@ class ScriptArguments(TRLScriptArguments):
     lora_alpha: int | None = field(default=None, metadata={"help": "LoRA alpha. Unset: 2 x lora_r."})
     lora_dropout: float = field(default=0.0, metadata={"help": "LoRA dropout."})
     attn_implementation: str | None = field(default=None, metadata={"help": "e.g. 'sdpa', 'flash_attention_2'."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with custom code from the hub."})
     # plan keys (unset: the YAML's value)
     layout: str | None = field(default=None, metadata={"help": "'shared' or 'separate' (YAML: layout)."})
     base_dtype: str | None = field(default=None, metadata={"help": "nf4, fp4, int8, bf16, fp16, fp32 (YAML)."})
@@ -179,7 +178,7 @@ def build_trainer(script_args: ScriptArguments, args: PPOConfig, plan: PlanConfi
     """Tokenizer, prompts, models -> a trl_ext.PPOTrainer."""
     from trl_ext import PPOTrainer
 
-    tokenizer = load_tokenizer(script_args.model_name_or_path, script_args.trust_remote_code)
+    tokenizer = load_tokenizer(script_args.model_name_or_path, args.trust_remote_code)
     train_dataset, eval_dataset = prompt_datasets(script_args, args, tokenizer)  # fail fast, before the weights
     models = build_models(script_args, args, plan, tokenizer, REWARD_FUNCTIONS.get(script_args.reward_function))
     return PPOTrainer(args=args, processing_class=tokenizer, train_dataset=train_dataset, eval_dataset=eval_dataset,

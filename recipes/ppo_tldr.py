@@ -102,7 +102,6 @@ class ScriptArguments(TRLScriptArguments):
     reward_tokenizer_path: str | None = field(
         default=None, metadata={"help": "Tokenizer of a reward model that does not share the policy's tokenizer (the "
                                 "text is then re-tokenized for it). Unset: the reward model reads the policy's ids."})
-    trust_remote_code: bool = field(default=False, metadata={"help": "Allow models with custom code from the hub."})
     eval_samples: int = field(
         default=256, metadata={"help": "Evaluate on the first N prompts of the test split (each eval samples from the "
                                "policy and the reference for every one); -1: all of them."})
@@ -169,7 +168,7 @@ def load_models(args: PPOConfig, script_args: ScriptArguments, model_args: Model
 
     common = dict(dtype=load_dtype(model_args),
                   attn_implementation=model_args.attn_implementation, revision=model_args.model_revision,
-                  trust_remote_code=script_args.trust_remote_code)
+                  trust_remote_code=args.trust_remote_code)
     quantization = get_quantization_config(model_args)
     policy_kwargs = dict(common, quantization_config=quantization)
     if quantization is not None and torch.cuda.is_available():
@@ -204,14 +203,14 @@ def main(argv: list[str] | None = None) -> dict:
 
     # tokenizer and prompts first: they fail fast, before gigabytes of weights are read
     tokenizer_flag = "--model_name_or_path" if model_args.model_name_or_path else "--sft_model_path"
-    tokenizer = load_tokenizer(model_args.model_name_or_path or args.sft_model_path, script_args.trust_remote_code,
+    tokenizer = load_tokenizer(model_args.model_name_or_path or args.sft_model_path, args.trust_remote_code,
                                tokenizer_flag)
     train_dataset, eval_dataset = load_prompt_splits(script_args, args.eval_strategy != "no",
                                                      script_args.eval_samples)
     policy, reward_model, value_model = load_models(args, script_args, model_args, tokenizer.pad_token_id)
     reward = reward_model
     if script_args.reward_tokenizer_path:
-        reward = (reward_model, load_tokenizer(script_args.reward_tokenizer_path, script_args.trust_remote_code,
+        reward = (reward_model, load_tokenizer(script_args.reward_tokenizer_path, args.trust_remote_code,
                                                "--reward_tokenizer_path"))
 
     from trl_ext import PPOTrainer

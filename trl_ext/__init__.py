@@ -7,9 +7,11 @@ without loading trl.
 """
 
 __version__ = "0.1.0"
-__all__ = ["PPOConfig", "PPOTrainer", "Rollout", "__version__"]
+__all__ = ["PPOConfig", "PPOTrainer", "Rollout", "SIMPLE_CHAT_TEMPLATE", "__version__", "get_kbit_device_map"]
 
-_LAZY = {"PPOConfig": ".config", "PPOTrainer": ".trainer", "Rollout": ".rollout"}
+_LAZY = {"PPOConfig": ".config", "PPOTrainer": ".trainer", "Rollout": ".rollout",
+         # helpers TRL removed that PPO scripts import (docs/versions.md, the porting guide)
+         "SIMPLE_CHAT_TEMPLATE": ".compat", "get_kbit_device_map": ".compat"}
 
 
 def __getattr__(name):

@@ -261,6 +261,12 @@ class PPOConfig(PPOConfigBase):
     vllm_importance_sampling_clip_min: float | None = field(
         default=None, metadata={"help": "Lower bound of the importance weights (None: none)."},
     )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow models and tokenizers with custom code from the hub (TRL's other trainer configs' "
+                  "field since trl 1.7, which removed ModelConfig.trust_remote_code; TRL's PPOConfig has none). "
+                  "PPOTrainer loads no model itself: scripts pass it to from_pretrained."},
+    )
     alarms: bool = field(
         default=True,
         metadata={"help": "Watch the metrics for PPO's failure modes and warn (trl_ext/alarms.py)."},

@@ -280,7 +280,7 @@ def report_memory_plan(script_args, plan: PlanConfig) -> dict:
 
 
 def load_model(what: str, name: str, flag: str, model_class, plan: PlanConfig, script_args,
-               **kwargs):
+               trust_remote_code: bool, **kwargs):
     """`model_class.from_pretrained(name)` quantized as the plan says, on the GPU when there is one, with
     bitsandbytes' CPU repacking of 4-bit weights off (it breaks LoRA gradients; trl_ext.models)."""
     import torch
@@ -288,7 +288,7 @@ def load_model(what: str, name: str, flag: str, model_class, plan: PlanConfig, s
     from .models import disable_bnb_cpu_repack
 
     kwargs.update(dtype=weights_dtype(plan), attn_implementation=script_args.attn_implementation,
-                  trust_remote_code=script_args.trust_remote_code)
+                  trust_remote_code=trust_remote_code)
     quant = quantization_config(plan)
     if quant is not None:
         kwargs["quantization_config"] = quant
@@ -299,11 +299,13 @@ def load_model(what: str, name: str, flag: str, model_class, plan: PlanConfig, s
     return model
 
 
-def load_scalar_model(what: str, name: str, flag: str, plan, script_args, pad_token_id: int):
+def load_scalar_model(what: str, name: str, flag: str, plan, script_args, trust_remote_code: bool,
+                      pad_token_id: int):
     """A 1-output sequence-classification model (reward or critic), quantized like the base."""
     from transformers import AutoModelForSequenceClassification
 
-    model = load_model(what, name, flag, AutoModelForSequenceClassification, plan, script_args, num_labels=1)
+    model = load_model(what, name, flag, AutoModelForSequenceClassification, plan, script_args, trust_remote_code,
+                       num_labels=1)
     if model.config.pad_token_id is None:
         model.config.pad_token_id = pad_token_id
     return model
@@ -317,7 +319,7 @@ def frozen(model):
 def build_models(script_args, args: PPOConfig, plan: PlanConfig, tokenizer, reward_function=None) -> dict[str, Any]:
     """The PPOTrainer's model arguments for the plan's layout: model, ref_model, value_model, reward_model,
     peft_config. `script_args` gives model_name_or_path, reward_adapter, reward_tokenizer_path, value_model_path,
-    lora_alpha, lora_dropout, attn_implementation, trust_remote_code; `args.reward_model_path` a reward model,
+    lora_alpha, lora_dropout, attn_implementation; `args` trust_remote_code; `args.reward_model_path` a reward model,
     `reward_function` a reward function (one of the three)."""
     from transformers import AutoModelForCausalLM
 
@@ -326,15 +328,16 @@ def build_models(script_args, args: PPOConfig, plan: PlanConfig, tokenizer, rewa
     reward: Any = reward_function
     if args.reward_model_path:  # a separate reward model, either layout
         reward = frozen(load_scalar_model("reward model", args.reward_model_path, "--reward_model_path", plan,
-                                          script_args, tokenizer.pad_token_id))
+                                          script_args, args.trust_remote_code, tokenizer.pad_token_id))
         if script_args.reward_tokenizer_path:
-            reward = (reward, load_tokenizer(script_args.reward_tokenizer_path, script_args.trust_remote_code,
+            reward = (reward, load_tokenizer(script_args.reward_tokenizer_path, args.trust_remote_code,
                                              "--reward_tokenizer_path"))
 
     if plan.layout == "shared":
         from .models import build_shared_base
 
-        base = load_model("base model", name, "--model_name_or_path", AutoModelForCausalLM, plan, script_args)
+        base = load_model("base model", name, "--model_name_or_path", AutoModelForCausalLM, plan, script_args,
+                      args.trust_remote_code)
         shared = build_shared_base(base, policy_lora=lora, critic_lora=lora, reward_adapter=script_args.reward_adapter,
                                    value_head_init="zero")
         if script_args.reward_adapter:
@@ -342,10 +345,12 @@ def build_models(script_args, args: PPOConfig, plan: PlanConfig, tokenizer, rewa
         return dict(model=shared, ref_model=None, value_model=None, reward_model=reward, peft_config=None)
 
     # separate: policy (4-bit + LoRA; the reference is the policy with its adapter disabled), critic, reward
-    policy = load_model("policy", name, "--model_name_or_path", AutoModelForCausalLM, plan, script_args)
+    policy = load_model("policy", name, "--model_name_or_path", AutoModelForCausalLM, plan, script_args,
+                      args.trust_remote_code)
     value_name = script_args.value_model_path or name
     critic = load_scalar_model("value model", value_name, "--value_model_path" if script_args.value_model_path
-                               else "--model_name_or_path", plan, script_args, tokenizer.pad_token_id)
+                               else "--model_name_or_path", plan, script_args, args.trust_remote_code,
+                               tokenizer.pad_token_id)
     critic.score.float()  # a fp32 head over the 4-bit backbone (the planner counts it so)
     if not plan.is_quantized:  # trl_ext trains an unquantized critic in full; the plan has it train LoRA + head
         from peft import get_peft_model
@@ -360,7 +365,7 @@ def build_models(script_args, args: PPOConfig, plan: PlanConfig, tokenizer, rewa
         from peft import PeftModel
 
         rm_base = load_scalar_model("reward model base", name, "--model_name_or_path", plan, script_args,
-                                    tokenizer.pad_token_id)
+                                    args.trust_remote_code, tokenizer.pad_token_id)
         reward = frozen(hub_load("reward adapter", script_args.reward_adapter,
                                  lambda: PeftModel.from_pretrained(rm_base, script_args.reward_adapter),
                                  "--reward_adapter"))
