@@ -185,3 +185,19 @@ def test_the_helpers_trl_removed_are_here_under_their_names():
     text = tok.apply_chat_template([{"role": "user", "content": "hi"}, {"role": "assistant", "content": "yes"}],
                                    tokenize=False, add_generation_prompt=True)
     assert text == "User: hi\n\nAssistant: yes\n\nAssistant:"
+
+
+def test_the_porting_guides_replacements_exist():
+    """Every `from trl_ext import ...` and trl_ext.PPOConfig field the guide in docs/versions.md names is there."""
+    import dataclasses
+    import re
+
+    import trl_ext
+
+    guide = (ROOT / "docs" / "versions.md").read_text().split("## Porting a PPO script to trl_ext")[1]
+    names = {n.strip() for line in re.findall(r"from trl_ext import ([\w, ]+)", guide) for n in line.split(",")}
+    assert {"PPOConfig", "PPOTrainer", "SIMPLE_CHAT_TEMPLATE", "get_kbit_device_map"} <= names
+    for name in names:
+        assert getattr(trl_ext, name) is not None
+    assert "training_args.trust_remote_code" in guide
+    assert "trust_remote_code" in {f.name for f in dataclasses.fields(PPOConfig)}
