@@ -85,7 +85,7 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TRLScriptArguments
 
-from trl_ext import PPOConfig
+from trl_ext import PPOConfig, get_kbit_device_map
 from trl_ext.report import run_summary
 from trl_ext.scripts import HubUnavailableError, hub_load, load_dtype, load_prompt_splits, load_tokenizer
 from trl_ext.scripts import parse_args as parse_recipe_args
@@ -163,7 +163,6 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfi
 def load_models(args: PPOConfig, script_args: ScriptArguments, model_args: ModelConfig, pad_token_id: int):
     """(SFT policy, reward model, value model). The value model is a second copy of the reward model loaded from disk
     rather than deep-copied, so that ZeRO-3's partitioned loading works for it too."""
-    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
     common = dict(dtype=load_dtype(model_args),
@@ -171,10 +170,8 @@ def load_models(args: PPOConfig, script_args: ScriptArguments, model_args: Model
                   trust_remote_code=args.trust_remote_code)
     quantization = get_quantization_config(model_args)
     policy_kwargs = dict(common, quantization_config=quantization)
-    if quantization is not None and torch.cuda.is_available():
-        from accelerate import PartialState
-
-        policy_kwargs["device_map"] = {"": PartialState().local_process_index}  # each process its own GPU
+    if quantization is not None:
+        policy_kwargs["device_map"] = get_kbit_device_map()  # each process its own GPU (None on CPU)
     policy = hub_load("SFT policy", args.sft_model_path, lambda: AutoModelForCausalLM.from_pretrained(
         args.sft_model_path, **policy_kwargs), "--sft_model_path")
     if quantization is not None:
