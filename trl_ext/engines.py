@@ -168,10 +168,6 @@ def _fsdp2_modules(model: nn.Module) -> list[nn.Module]:
     return [m for m in model.modules() if isinstance(m, FSDPModule)]
 
 
-def is_fsdp2(model: nn.Module) -> bool:
-    return bool(_fsdp2_modules(model))
-
-
 @contextmanager
 def fsdp2_unsharded(model: nn.Module):
     """Every FSDP2 module of `model` holds its whole parameters inside (no resharding after each forward); all

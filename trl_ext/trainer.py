@@ -99,6 +99,7 @@ from .progress import PPOProgress
 from .prompts import LeftPaddingCollator, prepare_prompts
 from .rewards import RewardNormalizer, RewardScorer, has_score_head
 from .rollout import Rollout
+from .seeds import eval_seed, process_seed, vllm_rollout_seed, vllm_stream_seed
 
 if is_peft_available():
     from peft import PeftConfig, PeftModel, get_peft_model
@@ -341,7 +342,7 @@ class PPOTrainer(PPOTrainerBase):
             raise ValueError(f"kl_horizon={args.kl_horizon} is smaller than one rollout batch ({args.batch_size}); "
                              "the controller would move β by more than 20% per batch. Use a horizon of at least "
                              "the batch size (typical: 10000).")
-        self.local_seed = args.seed + accelerator.process_index * 100003
+        self.local_seed = process_seed(args.seed, accelerator.process_index)
         if args.num_sample_generations > 0:
             self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
         self.local_dataloader_batch_size = args.local_batch_size
@@ -555,7 +556,7 @@ class PPOTrainer(PPOTrainerBase):
         uninterrupted one drew. `adapter=False`: the LoRA policy's base, its reference, samples."""
         self.vllm.sync(self.unwrapped.policy, version=self.state.global_step)
         if seed is None:
-            seed = self.local_seed * 1_000_003 + self.state.global_step * 10_007
+            seed = vllm_rollout_seed(self.local_seed, self.state.global_step)
         seeds = [(seed + i) % 2**31 for i in range(queries.shape[0])]
         responses, sampler_logprobs = self.vllm.generate(queries, query_mask, seeds, adapter=adapter)
         response_mask = response_mask_from_stop(responses, self.stop_token_id)
@@ -1240,7 +1241,7 @@ class PPOTrainer(PPOTrainerBase):
         identical completions). With vLLM serving a LoRA policy both sample there, the same seed per row; otherwise
         HF generate samples both."""
         if self._vllm_samples_reference:
-            return self._vllm_generate(queries, query_mask, seed * 1_000_003, adapter=not reference)[:2]
+            return self._vllm_generate(queries, query_mask, vllm_stream_seed(seed), adapter=not reference)[:2]
         with self._own_rng(seed):
             if reference and self.ref_model is not None:
                 model, context = self.ref_model, nullcontext()
@@ -1266,7 +1267,7 @@ class PPOTrainer(PPOTrainerBase):
                       "attention_mask": batch["attention_mask"].to(device).bool()}
 
     def _eval_seed(self, batch_index: int) -> int:
-        return self.args.seed + 100003 * self.accelerator.process_index + 7919 * self.state.global_step + batch_index
+        return eval_seed(self.args.seed, self.accelerator.process_index, self.state.global_step, batch_index)
 
     @property
     def alarms_raised(self) -> list:

@@ -1,0 +1,29 @@
+"""Every seed trl_ext derives from `PPOConfig.seed`, in one place. The multipliers are distinct primes, so no two
+processes, iterations or evaluation batches share a random stream, and a resumed run derives the same seeds as the
+uninterrupted one (they depend on the iteration, never on how the run got there)."""
+
+PROCESS = 100_003  # between processes
+EVAL_STEP = 7_919  # between evaluations at different iterations
+VLLM_REQUEST = 1_000_003  # from a stream's seed to vLLM's per-request seeds
+VLLM_STEP = 10_007  # between the rollouts of different iterations
+
+
+def process_seed(seed: int, process_index: int) -> int:
+    """The seed of one process's sampling (torch's global RNG in the rollouts)."""
+    return seed + PROCESS * process_index
+
+
+def eval_seed(seed: int, process_index: int, step: int, batch_index: int) -> int:
+    """The RNG stream of one evaluation batch, shared by the policy's and the reference's completions (paired)."""
+    return seed + PROCESS * process_index + EVAL_STEP * step + batch_index
+
+
+def vllm_rollout_seed(local_seed: int, step: int) -> int:
+    """The first vLLM request seed of one process's rollout at iteration `step` (`local_seed` from `process_seed`;
+    row i adds i)."""
+    return local_seed * VLLM_REQUEST + VLLM_STEP * step
+
+
+def vllm_stream_seed(stream_seed: int) -> int:
+    """The first vLLM request seed of an RNG stream (an evaluation batch's), row i adding i."""
+    return stream_seed * VLLM_REQUEST
