@@ -151,17 +151,14 @@ def module_scores(model: nn.Module, inputs: dict, pad_token_id: int | None, name
     elif isinstance(out, tuple) and out:  # a ModelOutput with return_dict=False
         out, what = out[0], "the first element of its output"
     B = input_ids.shape[0]
-    fix = ("return `logits` of shape (B, 1) (e.g. SequenceClassifierOutput(logits=scores[:, None])) or a tensor of "
-           "shape (B,), one score per row")
-    if not isinstance(out, torch.Tensor):
-        raise ValueError(f"reward model {name!r} ({type(model).__name__}) has no `score` head, so it is called as "
-                         f"model(input_ids, attention_mask) on the policy's ids; {what} is a {type(out).__name__}, "
-                         f"not a tensor: {fix}.")
-    if out.shape not in ((B,), (B, 1)):
-        raise ValueError(f"reward model {name!r} ({type(model).__name__}) has no `score` head, so it is called as "
-                         f"model(input_ids, attention_mask) on the policy's ids; {what} has shape "
-                         f"{tuple(out.shape)} for a batch of {B}: {fix}.")
-    return out.reshape(B)
+    if isinstance(out, torch.Tensor) and out.shape in ((B,), (B, 1)):
+        return out.reshape(B)
+    got = f"has shape {tuple(out.shape)} for a batch of {B}" if isinstance(out, torch.Tensor) else \
+        f"is a {type(out).__name__}, not a tensor"
+    raise ValueError(f"reward model {name!r} ({type(model).__name__}) has no `score` head, so it is called as "
+                     f"model(input_ids, attention_mask) on the policy's ids; {what} {got}: return `logits` of shape "
+                     "(B, 1) (e.g. SequenceClassifierOutput(logits=scores[:, None])) or a tensor of shape (B,), one "
+                     "score per row.")
 
 
 # ---------------------------------------------------------------------------------------------------- RewardScorer
