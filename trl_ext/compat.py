@@ -18,7 +18,6 @@ def get_kbit_device_map() -> dict[str, int] | None:
     the models a script loads, so a PPO script under DDP still needs it."""
     from accelerate import PartialState
 
-    xpu = getattr(torch, "xpu", None)
-    if torch.cuda.is_available() or (xpu is not None and xpu.is_available()):
+    if torch.cuda.is_available() or torch.xpu.is_available():
         return {"": PartialState().local_process_index}
     return None

@@ -263,9 +263,9 @@ class PPOConfig(PPOConfigBase):
     )
     trust_remote_code: bool = field(
         default=False,
-        metadata={"help": "Allow models and tokenizers with custom code from the hub (TRL's other trainer configs' "
-                  "field since trl 1.7, which removed ModelConfig.trust_remote_code; TRL's PPOConfig has none). "
-                  "PPOTrainer loads no model itself: scripts pass it to from_pretrained."},
+        metadata={"help": "Allow models and tokenizers with custom code from the hub: scripts pass it to "
+                  "from_pretrained (PPOTrainer loads no model itself). The field TRL's other trainer configs have, "
+                  "where ModelConfig no longer has one."},
     )
     alarms: bool = field(
         default=True,

@@ -337,7 +337,7 @@ def build_models(script_args, args: PPOConfig, plan: PlanConfig, tokenizer, rewa
         from .models import build_shared_base
 
         base = load_model("base model", name, "--model_name_or_path", AutoModelForCausalLM, plan, script_args,
-                      args.trust_remote_code)
+                          args.trust_remote_code)
         shared = build_shared_base(base, policy_lora=lora, critic_lora=lora, reward_adapter=script_args.reward_adapter,
                                    value_head_init="zero")
         if script_args.reward_adapter:
@@ -346,7 +346,7 @@ def build_models(script_args, args: PPOConfig, plan: PlanConfig, tokenizer, rewa
 
     # separate: policy (4-bit + LoRA; the reference is the policy with its adapter disabled), critic, reward
     policy = load_model("policy", name, "--model_name_or_path", AutoModelForCausalLM, plan, script_args,
-                      args.trust_remote_code)
+                        args.trust_remote_code)
     value_name = script_args.value_model_path or name
     critic = load_scalar_model("value model", value_name, "--value_model_path" if script_args.value_model_path
                                else "--model_name_or_path", plan, script_args, args.trust_remote_code,

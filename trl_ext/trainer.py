@@ -232,8 +232,7 @@ class PPOTrainer(PPOTrainerBase):
             self.stop_token_id = self.processing_class.eos_token_id
         if args.missing_eos_penalty and self.stop_token_id is None:  # 0: no penalty, as in TRL
             raise ValueError(f"missing_eos_penalty={args.missing_eos_penalty} is set but there is no stop token "
-                             "(stop_token='none'): set a stop "
-                             "token or drop the penalty.")
+                             "(stop_token='none'): set a stop token or drop the penalty.")
 
     def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
         """A `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever the
