@@ -12,13 +12,16 @@ the tables.
 
 What is timed, per iteration (exclusive times: a phase nested in another is taken out of the outer one):
 
-- generation: trl_ext `generate_responses`; TRL `batch_generation`.
-- critic: trl_ext the rollout's policy+value forward (log-probs and values in one pass; with
-  `--rollout_logprobs sampler` the values alone); TRL `get_reward(value_model, ...)` (TRL takes the rollout
+trl_ext's times come from its phase hooks (`trainer.phases`, trl_ext/monitoring/phases.py); TRL's from wrapping the
+functions its trainer calls.
+
+- generation: trl_ext phase "generation"; TRL `batch_generation`.
+- critic: trl_ext phase "policy_and_value", the rollout's policy+value forward (log-probs and values in one pass;
+  with `--rollout_logprobs sampler` the values alone); TRL `get_reward(value_model, ...)` (TRL takes the rollout
   log-probs from the generation scores, no policy pass).
-- reference: trl_ext `PPOTrainer._ref_logprobs`; TRL `forward(ref_policy, ...)` under no_grad.
-- reward: trl_ext `RewardScorer.__call__`; TRL `get_reward(reward_model, ...)`.
-- update: trl_ext `PPOTrainer.ppo_update`; TRL from the first training forward of the iteration to its `log` call.
+- reference: trl_ext phase "reference"; TRL `forward(ref_policy, ...)` under no_grad.
+- reward: trl_ext phase "reward"; TRL `get_reward(reward_model, ...)`.
+- update: trl_ext phase "update"; TRL from the first training forward of the iteration to its `log` call.
 - other: the rest of the iteration (masks, rewards, GAE, metrics, callbacks such as the metrics file and alarms,
   logging; for TRL also its `gc.collect()` and `empty_cache()` calls).
 
@@ -196,28 +199,30 @@ def _patch(owner, attribute: str, clock: PhaseClock, choose, patched: list) -> N
     patched.append(f"{getattr(owner, '__name__', type(owner).__name__)}.{attribute}")
 
 
+# trl_ext's phases (trl_ext/monitoring/phases.py) under this table's names; evaluation is not timed as a phase
+TRL_EXT_PHASES = {"generation": "generation", "policy_and_value": "critic", "reference": "reference",
+                  "reward": "reward", "update": "update", "critic_warmup": "update"}
+
+
+class PhaseListener:
+    """A listener of trl_ext's phase hooks (`trainer.phases`) that times each phase on `clock`."""
+
+    def __init__(self, clock: PhaseClock):
+        self.clock = clock
+
+    def start(self, name: str) -> None:
+        if name in TRL_EXT_PHASES:
+            self.clock.start(TRL_EXT_PHASES[name])
+
+    def stop(self, name: str) -> None:
+        if name in TRL_EXT_PHASES:
+            self.clock.stop(TRL_EXT_PHASES[name])
+
+
 def instrument_trl_ext(trainer, clock: PhaseClock) -> list[str]:
-    import torch
-
-    import trl_ext.models
-    import trl_ext.rewards
-    import trl_ext.trainer
-
-    patched: list[str] = []
-    _patch(trl_ext.trainer, "generate_responses", clock, lambda *a, **k: "generation", patched)
-    if trainer.vllm is not None:  # the weight sync and the engine's sampling
-        _patch(trl_ext.trainer.PPOTrainer, "_vllm_generate", clock, lambda *a, **k: "generation", patched)
-    # the rollout's policy+value forward (no grad); the training forward is inside ppo_update
-    # (under bf16 accelerate's autocast wrapper is the instance's own `forward`, bound to the class's: patch that)
-    wrapper = trainer.model if "forward" in vars(trainer.model) else trl_ext.models.PolicyAndValueWrapper
-    _patch(wrapper, "forward", clock, lambda *a, **k: None if torch.is_grad_enabled() else "critic", patched)
-    # the reference pass: `_ref_logprobs` (chunked log-probs) or, in earlier versions, `_ref_logits`
-    reference = next((n for n in ("_ref_logprobs", "_ref_logits") if hasattr(trl_ext.trainer.PPOTrainer, n)),
-                     "_ref_logprobs")
-    _patch(trl_ext.trainer.PPOTrainer, reference, clock, lambda *a, **k: "reference", patched)
-    _patch(trl_ext.rewards.RewardScorer, "__call__", clock, lambda *a, **k: "reward", patched)
-    _patch(trl_ext.trainer.PPOTrainer, "ppo_update", clock, lambda *a, **k: "update", patched)
-    return patched
+    """trl_ext announces its phases itself: listen to them."""
+    trainer.phases.add(PhaseListener(clock))
+    return ["trainer.phases"]
 
 
 def instrument_trl(trainer, clock: PhaseClock) -> list[str]:
@@ -335,7 +340,7 @@ def _smollm2_tokenizer():
 def _opinion_dataset(tok, n: int):
     from datasets import Dataset
 
-    from trl_ext.sentiment import load_prompts
+    from trl_ext.scripts.sentiment import load_prompts
 
     texts = load_prompts("train")
     texts = (texts * (n // len(texts) + 1))[:n]
@@ -437,7 +442,7 @@ def run_case(case: Case) -> dict:
     with tempfile.TemporaryDirectory() as out:
         trainer = build_trainer(case, out, models)
         if case.trainer == "trl" and os.environ.get(TRL_KEEPS_MEMORY) and not cuda:
-            from trl_ext.allocator import keep_freed_memory, largest_trained_block
+            from trl_ext.trainer.allocator import keep_freed_memory, largest_trained_block
 
             keep_freed_memory(largest_trained_block(trainer.model))  # as PPOTrainer._setup_allocator does
         clock = PhaseClock(cuda=cuda)
@@ -666,8 +671,8 @@ def main(argv=None) -> None:
                         help="torch threads per run (OMP_NUM_THREADS); default: torch's own choice")
     parser.add_argument("--malloc_env", action="store_true",
                         help="give TRL's runs trl_ext's allocator settings: glibc keeps freed blocks up to the "
-                        "largest trained parameter (trl_ext.allocator.keep_freed_memory, set in the run's process), "
-                        "as trl_ext's cpu_reuse_freed_memory does for itself on CPU")
+                        "largest trained parameter (trl_ext.trainer.allocator.keep_freed_memory, set in the run's "
+                        "process), as trl_ext's cpu_reuse_freed_memory does for itself on CPU")
     parser.add_argument("--rollout_logprobs", default="trainer", choices=["trainer", "sampler"],
                         help="trl_ext's π_old (PPOConfig.rollout_logprobs): its default, a forward pass of the "
                         "trainer, or the sampler's log-probs, which is what TRL 1.12 uses")

@@ -6,7 +6,7 @@ Builds a Llama of the preset's shape with random weights directly in 4-bit on th
 random bf16 weights on the device, then each nn.Linear of the layer replaced by a bitsandbytes Linear4bit, nf4 with
 double quant, so no 7B checkpoint and no hub are needed), runs `--iterations` (2) PPO iterations with trl_ext's
 PPOTrainer, and compares torch.cuda.max_memory_allocated — overall and per phase (generation, scoring, PPO update) —
-with the planner's estimate (trl_ext/memory.py). Prints a table and writes JSON.
+with the planner's estimate (trl_ext/tools/memory.py). Prints a table and writes JSON.
 
 Layouts (the plan's `layout`): "shared" (trl_ext.models.build_shared_base: one 4-bit base, policy and critic LoRA
 adapters, value head; the reward is a function of the text, so the planner's reward-forward phase is not exercised)
@@ -27,7 +27,7 @@ import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trl_ext.memory import GIB, ModelShape, PlanConfig, estimate_memory, load_shape  # noqa: E402
+from trl_ext.tools.memory import GIB, ModelShape, PlanConfig, estimate_memory, load_shape  # noqa: E402
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 DEFAULT_PLAN = os.path.join(ROOT, "recipes", "qlora_7b", "shared_16gb.yaml")
@@ -147,8 +147,11 @@ def length_reward(prompts, completions, **kwargs):
 
 
 class _PhaseMeter:
-    """Per-phase torch.cuda.max_memory_allocated: the trainer's phase changes (generating, scoring) and its PPO
-    update each close the previous phase and reset the peak counter."""
+    """Per-phase torch.cuda.max_memory_allocated, a listener of the trainer's phase hooks (`trainer.phases`): each
+    outermost phase closes the previous one and resets the peak counter; the update's end closes the update."""
+
+    NAMES = {"generation": "generation", "reference": "scoring", "policy_and_value": "scoring", "reward": "scoring",
+             "update": "training", "critic_warmup": "training", "evaluation": "evaluation"}
 
     def __init__(self, cuda: bool):
         import torch
@@ -156,6 +159,7 @@ class _PhaseMeter:
         self.torch, self.cuda = torch, cuda
         self.current: str | None = None
         self.peaks: dict[str, int] = {}
+        self.depth = 0  # phases open
 
     def switch(self, name: str | None):
         if self.cuda:
@@ -164,6 +168,16 @@ class _PhaseMeter:
                 self.peaks[self.current] = max(self.peaks.get(self.current, 0), peak)
             self.torch.cuda.reset_peak_memory_stats()
         self.current = name
+
+    def start(self, phase: str):
+        self.depth += 1
+        if self.depth == 1:
+            self.switch(self.NAMES[phase])
+
+    def stop(self, phase: str):
+        self.depth -= 1
+        if self.depth == 0 and self.NAMES[phase] in ("training", "evaluation"):
+            self.switch(None)
 
 
 def run(shape: ModelShape, plan: PlanConfig, iterations: int = 2, device: str = "cuda", output_dir: str | None = None):
@@ -203,21 +217,7 @@ def run(shape: ModelShape, plan: PlanConfig, iterations: int = 2, device: str = 
                          value_model=value, train_dataset=_prompts(max(B, 8), plan.max_prompt_length, shape.vocab_size),
                          peft_config=peft_config)
     meter = _PhaseMeter(cuda)
-    phase_names = {"generating": "generation", "scoring": "scoring"}
-    original_phase, original_update = trainer._phase, trainer.ppo_update
-
-    def phase(name):
-        meter.switch(phase_names.get(name, name))
-        original_phase(name)
-
-    def ppo_update(*a, **k):
-        meter.switch("training")
-        try:
-            return original_update(*a, **k)
-        finally:
-            meter.switch(None)
-
-    trainer._phase, trainer.ppo_update = phase, ppo_update
+    trainer.phases.add(meter)
     if cuda:
         torch.cuda.reset_peak_memory_stats()
     t0 = time.perf_counter()

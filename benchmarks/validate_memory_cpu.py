@@ -1,4 +1,4 @@
-"""Check the memory planner (trl_ext/memory.py) against measured peaks of scaled-down models on CPU.
+"""Check the memory planner (trl_ext/tools/memory.py) against measured peaks of scaled-down models on CPU.
 
     python benchmarks/validate_memory_cpu.py                 # all configurations, a table; --json PATH writes it
     python benchmarks/validate_memory_cpu.py --only fp32-small
@@ -39,7 +39,7 @@ from dataclasses import asdict
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from trl_ext.memory import ModelShape, PlanConfig, estimate_memory  # noqa: E402
+from trl_ext.tools.memory import ModelShape, PlanConfig, estimate_memory  # noqa: E402
 
 MIB = 1024**2
 

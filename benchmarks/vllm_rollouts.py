@@ -6,10 +6,10 @@ embedded SmolLM2-135M-Instruct with a LoRA policy.
 
 Generation: `--prompts` chat prompts, `--tokens` new tokens each (no stop token, so both engines make the same number),
 temperature 1, fp32 and bf16, the median of `--repeats` runs after one warm-up; HF is `trl_ext.models.
-generate_responses` (what the trainer calls), vLLM is `trl_ext.vllm_sampler.VLLMSampler` after a sync. Iterations:
-`PPOTrainer` with `use_vllm` False and True, the same config (fp32, LoRA r=8, `--prompts` rollouts, `--tokens`
-tokens, 1 PPO epoch, a reward function), seconds per iteration after the first. Writes `<out>/results.json` and
-`<out>/results.md`.
+generate_responses` (what the trainer calls), vLLM is `trl_ext.models.vllm_sampler.VLLMSampler` after a sync.
+Iterations: `PPOTrainer` with `use_vllm` False and True, the same config (fp32, LoRA r=8, `--prompts` rollouts,
+`--tokens` tokens, 1 PPO epoch, a reward function), seconds per iteration after the first. Writes `<out>/results.json`
+and `<out>/results.md`.
 """
 
 from __future__ import annotations
@@ -49,7 +49,7 @@ def generation(args) -> dict:
 
     from trl_ext.embedded import load_smollm2
     from trl_ext.models import Sampling, generate_responses
-    from trl_ext.vllm_sampler import VLLMSampler
+    from trl_ext.models.vllm_sampler import VLLMSampler
 
     rows = {}
     for dtype in (torch.float32, torch.bfloat16):

@@ -4,12 +4,12 @@
         --model_name_or_path mistralai/Mistral-7B-Instruct-v0.2 --reward_adapter runs/rm-adapter \\
         --dataset_name trl-lib/tldr --output_dir runs/qlora-7b
 
-1. `--config` is a YAML of `trl_ext.memory.PlanConfig` fields, the file `trl-ext estimate-memory` reads, mapped onto
-   PPOConfig, the BitsAndBytesConfig and the LoraConfig by `trl_ext.qlora.parse_plan_args` (its docstring has the
-   mapping). Every plan key is a flag too, and the command line wins (`--response_length 128`, `--lora_r 8`,
+1. `--config` is a YAML of `trl_ext.tools.memory.PlanConfig` fields, the file `trl-ext estimate-memory` reads, mapped
+   onto PPOConfig, the BitsAndBytesConfig and the LoraConfig by `trl_ext.scripts.qlora.parse_plan_args` (its docstring
+   has the mapping). Every plan key is a flag too, and the command line wins (`--response_length 128`, `--lora_r 8`,
    `--compute_dtype fp16`); so is any PPOConfig field (`--learning_rate`, `--kl_coef`).
 2. Before loading anything it prints the planner's estimate for this config and the model's shape (its config.json),
-   and on a CUDA machine whether it fits the GPU's free memory (`trl_ext.qlora.report_memory_plan`).
+   and on a CUDA machine whether it fits the GPU's free memory (`trl_ext.scripts.qlora.report_memory_plan`).
 3. It loads the model(s) and trains:
    - `layout: shared`: one 4-bit base (`trl_ext.models.build_shared_base`): the policy and critic are LoRA adapters
      of it, the reference is the base with adapters disabled, the value head is a fp32 linear on its hidden states;
@@ -48,11 +48,11 @@ from typing import Any
 from trl import ScriptArguments as TRLScriptArguments
 
 from trl_ext import PPOConfig
-from trl_ext.memory import PlanConfig
-from trl_ext.qlora import build_models, parse_plan_args, report_memory_plan, size
-from trl_ext.report import run_summary
+from trl_ext.monitoring.report import run_summary
 from trl_ext.scripts import HubUnavailableError, load_prompt_splits, load_tokenizer
-from trl_ext.sentiment import PROMPTS_FILE, vader_reward
+from trl_ext.scripts.qlora import build_models, parse_plan_args, report_memory_plan, size
+from trl_ext.scripts.sentiment import PROMPTS_FILE, vader_reward
+from trl_ext.tools.memory import PlanConfig
 
 MEMORY_FILE = "memory.json"
 REWARD_FUNCTIONS: dict[str, Callable] = {"vader": vader_reward}
@@ -65,7 +65,7 @@ class ScriptArguments(TRLScriptArguments):
 
     config: str | None = field(
         default=None, metadata={"help": "Recipe config: recipes/qlora_7b/{shared_24gb,shared_16gb,shared_12gb,"
-                                "separate_24gb}.yaml or your own file of trl_ext.memory.PlanConfig fields."})
+                                "separate_24gb}.yaml or your own file of trl_ext.tools.memory.PlanConfig fields."})
     model_name_or_path: str | None = field(
         default=None, metadata={"help": "Hub name or local folder of the model PPO starts from (an SFT/instruct "
                                 "model), with its tokenizer. Required."})

@@ -12,7 +12,7 @@ What it does:
     learns to answer briefly and to the point.
 
 It writes to `--output_dir`: the LoRA adapter (adapter_config.json, adapter_model.safetensors), the tokenizer, and
-metrics.jsonl (one JSON line of training metrics per PPO step, see `trl_ext.callbacks.MetricsFileCallback`).
+metrics.jsonl (one JSON line of training metrics per PPO step, see `trl_ext.monitoring.callbacks.MetricsFileCallback`).
 
 Run it (16 PPO steps of 8 rollouts; time and result measured: docs/results.md; the first run also converts the model
 once, ~20 s):
@@ -33,7 +33,7 @@ from dataclasses import dataclass, field
 from trl import ModelConfig, get_peft_config
 
 from trl_ext import PPOConfig
-from trl_ext.report import run_summary
+from trl_ext.monitoring.report import run_summary
 from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, load_dtype, parse_args
 
 # Question -> words that make an answer on topic (lower case; matched against the answer's words).
@@ -134,9 +134,9 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
     from trl_ext import PPOTrainer
-    from trl_ext.callbacks import METRICS_FILE
     from trl_ext.embedded import smollm2_path
     from trl_ext.models import freeze_backbone
+    from trl_ext.monitoring.callbacks import METRICS_FILE
     from trl_ext.scripts import load_tokenizer
 
     set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything

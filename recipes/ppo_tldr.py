@@ -86,7 +86,7 @@ from trl import ModelConfig, get_peft_config, get_quantization_config
 from trl import ScriptArguments as TRLScriptArguments
 
 from trl_ext import PPOConfig, get_kbit_device_map
-from trl_ext.report import run_summary
+from trl_ext.monitoring.report import run_summary
 from trl_ext.scripts import HubUnavailableError, hub_load, load_dtype, load_prompt_splits, load_tokenizer
 from trl_ext.scripts import parse_args as parse_recipe_args
 

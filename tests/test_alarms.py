@@ -1,29 +1,19 @@
-"""Tests for trl_ext.alarms: each alarm fires once at a known step on a synthetic metrics stream, a long healthy noisy
-stream raises nothing, once-per-episode and re-arming, missing keys, threshold overrides and validation, the callback
-(warning + alarm/<name> in the logs dict a later MetricsFileCallback writes), and state round trips.
+"""Tests for trl_ext.monitoring.alarms: each alarm fires once at a known step on a synthetic metrics stream, a long
+healthy noisy stream raises nothing, once-per-episode and re-arming, missing keys, threshold overrides and validation,
+the callback (warning + alarm/<name> in the logs dict a later MetricsFileCallback writes), and state round trips.
 
-alarms.py is loaded straight from its file: `import trl_ext.alarms` would run trl_ext/__init__.py, which imports trl
-(~7 s). Its one heavy import is transformers.trainer_callback (for TrainerCallback), which this file needs anyway.
+trl_ext.monitoring.alarms loads without trl; its one heavy import is transformers.trainer_callback (for
+TrainerCallback), which this file needs anyway.
 """
-import importlib.util
 import json
 import math
-import pathlib
 import random
-import sys
 import warnings
 
 import pytest
 from transformers.trainer_callback import CallbackHandler, TrainerControl, TrainerState
 
-ROOT = pathlib.Path(__file__).resolve().parents[1]
-_spec = importlib.util.spec_from_file_location("_alarms_under_test", ROOT / "trl_ext" / "alarms.py")
-alarms = importlib.util.module_from_spec(_spec)
-sys.modules[_spec.name] = alarms  # dataclasses resolves string annotations through sys.modules
-_spec.loader.exec_module(alarms)
-_cb_spec = importlib.util.spec_from_file_location("_callbacks_under_test", ROOT / "trl_ext" / "callbacks.py")
-callbacks = importlib.util.module_from_spec(_cb_spec)
-_cb_spec.loader.exec_module(callbacks)
+from trl_ext.monitoring import alarms, callbacks
 
 Alarm, AlarmCallback, AlarmMonitor = alarms.Alarm, alarms.AlarmCallback, alarms.AlarmMonitor
 AlarmThresholds, PPOAlarmWarning, ALARM_NAMES = alarms.AlarmThresholds, alarms.PPOAlarmWarning, alarms.ALARM_NAMES

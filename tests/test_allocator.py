@@ -1,5 +1,5 @@
 """cpu_reuse_freed_memory: glibc's malloc keeps freed memory, so a CPU training step stops page-faulting its
-gradients in again (trl_ext/allocator.py), and the trainer sets it only where it should."""
+gradients in again (trl_ext/trainer/allocator.py), and the trainer sets it only where it should."""
 
 import json
 import subprocess
@@ -8,15 +8,15 @@ import sys
 import pytest
 
 from trl_ext import PPOConfig, PPOTrainer
-from trl_ext.allocator import ALLOCATOR_ENVIRONMENT
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+from trl_ext.trainer.allocator import ALLOCATOR_ENVIRONMENT
 
 # A training step of a small model, gradients set to None after each optimizer step: an 8192-row embedding tied to
 # the output head (19 MB of gradient) and 16 linear layers (3.5 MB each), all blocks under glibc's 32 MiB mmap
 # threshold. Prints the minor page faults of each of 12 steps.
 STEPS = """
 import json, resource, sys, torch
-from trl_ext.allocator import keep_freed_memory
+from trl_ext.trainer.allocator import keep_freed_memory
 if sys.argv[1] == "keep":
     assert keep_freed_memory()
 torch.manual_seed(0)
@@ -66,7 +66,7 @@ def test_the_trainer_keeps_freed_memory_on_cpu_unless_told_or_the_environment_ch
     for name in ALLOCATOR_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     calls = []
-    monkeypatch.setattr("trl_ext.trainer.keep_freed_memory", lambda largest: calls.append(largest) or 2**25)
+    monkeypatch.setattr("trl_ext.trainer.ppo_trainer.keep_freed_memory", lambda largest: calls.append(largest) or 2**25)
     assert tiny_trainer(tmp_path / "a").reuses_freed_memory and len(calls) == 1  # default on CPU: on
     assert not tiny_trainer(tmp_path / "b", cpu_reuse_freed_memory=False).reuses_freed_memory and len(calls) == 1
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")  # the user chose: left alone, unless asked explicitly
@@ -81,7 +81,7 @@ def test_the_trainer_keeps_freed_memory_on_cpu_unless_told_or_the_environment_ch
 # One step of a model whose embedding gradient (16384 x 1024 fp32: 64 MiB) is above glibc's own 32 MiB ceiling.
 LARGE_STEPS = """
 import json, resource, sys, torch
-from trl_ext.allocator import keep_freed_memory
+from trl_ext.trainer.allocator import keep_freed_memory
 print(json.dumps(keep_freed_memory(int(sys.argv[1]))))
 torch.manual_seed(0)
 emb = torch.nn.Embedding(16384, 1024)

@@ -1,5 +1,5 @@
 """benchmarks/bench_vs_trl.py: the arithmetic of its tables (medians, ratios, slopes, exclusive phase times) on
-hand-made inputs, and that the functions it times still exist in both trainers."""
+hand-made inputs, and that what it times still exists in both trainers (TRL's functions, trl_ext's phase hooks)."""
 
 import importlib.util
 import sys
@@ -139,19 +139,35 @@ def test_plan_pairs_both_trainers_and_alternates_their_order():
 
 
 @pytest.mark.trl_ppo
-def test_the_timed_functions_exist_in_both_trainers():
-    """If a trainer is refactored and a timed function disappears, its time would silently move to `other`."""
+def test_the_timed_functions_exist_in_trl():
+    """If TRL's trainer lost a timed function, its time would silently move to `other`."""
     import trl.experimental.ppo.ppo_trainer as trl_ppo
 
-    import trl_ext.models
-    import trl_ext.rewards
-    import trl_ext.trainer
+    for name in ("batch_generation", "get_reward", "forward"):
+        assert hasattr(trl_ppo, name), name
 
-    for owner, name in [(trl_ppo, "batch_generation"), (trl_ppo, "get_reward"), (trl_ppo, "forward"),
-                        (trl_ext.trainer, "generate_responses"), (trl_ext.models.PolicyAndValueWrapper, "forward"),
-                        (trl_ext.rewards.RewardScorer, "__call__"), (trl_ext.trainer.PPOTrainer, "ppo_update")]:
-        assert hasattr(owner, name), f"{owner.__name__}.{name}"
-    assert any(hasattr(trl_ext.trainer.PPOTrainer, n) for n in ("_ref_logprobs", "_ref_logits"))
+
+def test_a_trl_ext_iteration_announces_every_timed_phase(tmp_path):
+    """trl_ext's phase hooks cover every column of the table but `other`, and one PPO iteration opens each of them,
+    nested as the clock expects (each stop matches the innermost open phase)."""
+    from trl_ext import PPOConfig, PPOTrainer
+    from trl_ext.monitoring.phases import PHASE_NAMES
+    from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+
+    assert set(bench.TRL_EXT_PHASES) <= set(PHASE_NAMES)
+    assert set(bench.TRL_EXT_PHASES.values()) == set(bench.PHASES) - {"other"}
+    tok = tiny_tokenizer()
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=2, total_episodes=2, num_ppo_epochs=1,
+                     response_length=4, report_to="none", save_strategy="no", num_sample_generations=0,
+                     logging_steps=1, gradient_checkpointing=False, disable_tqdm=True)
+    trainer = PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok), ref_model=None,
+                         reward_model=lambda p, c: [1.0] * len(c), train_dataset=tiny_prompt_dataset(tok, 2),
+                         value_model=tiny_scalar_model(tok))
+    clock = bench.PhaseClock()
+    assert bench.instrument_trl_ext(trainer, clock) == ["trainer.phases"]
+    trainer.train()
+    assert set(clock.totals) == set(bench.PHASES) - {"other"} and not clock._stack
+    assert all(clock.calls[name] >= 1 for name in clock.totals)
 
 
 @pytest.mark.slow

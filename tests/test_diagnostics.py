@@ -9,7 +9,7 @@ import torch
 
 from trl_ext import PPOConfig, PPOTrainer, Rollout
 from trl_ext.core import explained_variance
-from trl_ext.diagnostics import TOKEN_STATS, UpdateStats, rollout_metrics, update_metrics
+from trl_ext.monitoring.diagnostics import TOKEN_STATS, UpdateStats, rollout_metrics, update_metrics
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 EOS = 1
@@ -142,8 +142,8 @@ def test_a_run_writes_its_run_folder_and_a_progress_bar(tmp_path, capsys):
 def test_alarms_are_warned_and_written_to_the_run_folder_and_the_report(tmp_path):
     """A threshold no real run meets (approx KL above 1e-12) raises kl_blowup on the first step that updates twice:
     a PPOAlarmWarning, an alarm/kl_blowup key in metrics.jsonl, the alarm in `trl-ext report`'s summary and PNG."""
-    from trl_ext.alarms import PPOAlarmWarning
-    from trl_ext.report import report
+    from trl_ext.monitoring.alarms import PPOAlarmWarning
+    from trl_ext.monitoring.report import report
 
     tok = tiny_tokenizer()
     args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=8, response_length=5,

@@ -1,6 +1,6 @@
-"""trl_ext/engines.py on one process: the DeepSpeed config it writes, per-role clipping (also through DeepSpeed's
-gradient accessors, with a loss scale), the frozen optimizer groups of critic warmup, and the layer classes FSDP
-wraps. The engines themselves run in tests/test_scale_out.py (2 CPU processes)."""
+"""trl_ext/trainer/backend.py on one process: the DeepSpeed config it writes, per-role clipping (also through
+DeepSpeed's gradient accessors, with a loss scale), the frozen optimizer groups of critic warmup, and the layer classes
+FSDP wraps. The engines themselves run in tests/test_scale_out.py (2 CPU processes)."""
 
 from types import SimpleNamespace
 
@@ -8,15 +8,15 @@ import pytest
 import torch
 from peft import LoraConfig, get_peft_model
 
-from trl_ext.engines import (
+from trl_ext.models import PolicyAndValueWrapper
+from trl_ext.testing import tiny_causal_lm, tiny_scalar_model, tiny_tokenizer
+from trl_ext.trainer.backend import (
     clip_role_grads_,
     deepspeed_batch_config,
     frozen_groups,
     fsdp2_unsharded,
     group_roles,
 )
-from trl_ext.models import PolicyAndValueWrapper
-from trl_ext.testing import tiny_causal_lm, tiny_scalar_model, tiny_tokenizer
 
 
 def test_deepspeed_config_gets_the_ppo_batch_and_no_clipping_of_its_own():

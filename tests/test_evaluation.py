@@ -86,7 +86,7 @@ def test_eval_reward_without_eval_dataset_is_an_error(tmp_path):
 
 
 def test_the_dashboard_plots_win_rate_against_kl_when_evaluated(tmp_path):
-    from trl_ext.report import EVAL_PANEL_TITLES, load_metrics, make_dashboard
+    from trl_ext.monitoring.report import EVAL_PANEL_TITLES, load_metrics, make_dashboard
 
     t = make(tmp_path, iterations=20, lr=1e-2)
     t.train()

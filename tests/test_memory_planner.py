@@ -1,4 +1,4 @@
-"""The memory planner (trl_ext/memory.py), its CLI subcommand, the 7B recipe configs and the CPU validation."""
+"""The memory planner (trl_ext/tools/memory.py), its CLI subcommand, the 7B recipe configs and the CPU validation."""
 
 import importlib.util
 import json
@@ -10,8 +10,16 @@ import sys
 import pytest
 import torch
 
-from trl_ext.cli import main
-from trl_ext.memory import GIB, PRESETS, ModelShape, PlanConfig, estimate_memory, load_shape, quantized_bytes_per_param
+from trl_ext.tools.cli import main
+from trl_ext.tools.memory import (
+    GIB,
+    PRESETS,
+    ModelShape,
+    PlanConfig,
+    estimate_memory,
+    load_shape,
+    quantized_bytes_per_param,
+)
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 RECIPES = os.path.join(ROOT, "recipes", "qlora_7b")
@@ -133,7 +141,7 @@ def test_saved_activations_per_layer_match_autograd(dtype, autocast):
     from peft import LoraConfig, get_peft_model
     from transformers import LlamaConfig, LlamaForCausalLM
 
-    from trl_ext.memory import _layer_saved_per_token
+    from trl_ext.tools.memory import _layer_saved_per_token
 
     shape = ModelShape("t", 64, 160, 3, 4, 2, 50)
     plan = PlanConfig(base_dtype=dtype, compute_dtype=dtype, autocast=autocast, lora_r=4, max_prompt_length=24,
@@ -245,8 +253,8 @@ def test_cli_all_presets_summary(capsys):
 
 
 def test_cli_as_a_command():
-    proc = subprocess.run([sys.executable, "-m", "trl_ext.cli", "estimate-memory", _recipe("shared_12gb"), "--model",
-                           "qwen2.5-7b"], capture_output=True, text=True, cwd=ROOT)
+    proc = subprocess.run([sys.executable, "-m", "trl_ext.tools.cli", "estimate-memory", _recipe("shared_12gb"),
+                           "--model", "qwen2.5-7b"], capture_output=True, text=True, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr
     assert "qwen2.5-7b" in proc.stdout and "12 GB:" in proc.stdout
 

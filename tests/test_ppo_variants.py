@@ -27,7 +27,7 @@ from trl_ext.core import (
     masked_whiten,
     value_loss,
 )
-from trl_ext.diagnostics import update_metrics
+from trl_ext.monitoring.diagnostics import update_metrics
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""trl_ext.prompts: TRL's prompt forms (text, conversational, tokenized) tokenized for PPO, and the left-padding
+"""trl_ext.data.prompts: TRL's prompt forms (text, conversational, tokenized) tokenized for PPO, and the left-padding
 collator (attention mask from the prompt lengths, never from `== pad_token_id`)."""
 
 import pytest
@@ -6,7 +6,7 @@ import torch
 from datasets import Dataset, DatasetDict, Features, Json
 from torch.utils.data import DataLoader
 
-from trl_ext.prompts import LeftPaddingCollator, PreparedPrompts, prepare_prompts
+from trl_ext.data.prompts import LeftPaddingCollator, PreparedPrompts, prepare_prompts
 from trl_ext.testing import tiny_tokenizer
 
 # Every piece of the rendered template is a word of the tiny vocabulary: the role as "yes" (user) / "no" (other),

@@ -1,4 +1,4 @@
-"""recipes/ppo_qlora_7b.py and trl_ext/qlora.py: the recipe YAMLs mapped onto PPOConfig, BitsAndBytesConfig and
+"""recipes/ppo_qlora_7b.py and trl_ext/scripts/qlora.py: the recipe YAMLs mapped onto PPOConfig, BitsAndBytesConfig and
 LoraConfig; command-line overrides; errors; the planner's estimate printed before loading; and (slow) the recipe end
 to end on CPU with a tiny random Llama loaded in nf4, in both layouts, checking that only the adapters and heads train
 and that they are saved."""
@@ -15,8 +15,8 @@ import pytest
 import torch
 import yaml
 
-from trl_ext import qlora
-from trl_ext.memory import GIB, PRESETS, PlanConfig, estimate_memory, load_shape
+from trl_ext.scripts import qlora
+from trl_ext.tools.memory import GIB, PRESETS, PlanConfig, estimate_memory, load_shape
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "ppo_qlora_7b.py"

@@ -1,5 +1,5 @@
-"""Tests for the quickstart, recipes/ppo_smollm2_sentiment.py, the sentiment helpers (trl_ext.sentiment), the run
-summary (trl_ext.report.run_summary) and the paired before/after samples (PPOTrainer.paired_completions).
+"""Tests for the quickstart, recipes/ppo_smollm2_sentiment.py, the sentiment helpers (trl_ext.scripts.sentiment), the
+run summary (trl_ext.monitoring.report.run_summary) and the paired before/after samples (PPOTrainer.paired_completions).
 
 Fast tests: the shipped prompt set and its split, the VADER reward on sentences whose scores the vaderSentiment README
 publishes, the summary arithmetic, the command-line defaults. The slow test runs a shortened quickstart as a subprocess
@@ -14,8 +14,8 @@ import sys
 
 import pytest
 
-from trl_ext import sentiment
-from trl_ext.report import run_summary
+from trl_ext.monitoring.report import run_summary
+from trl_ext.scripts import sentiment
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPES = REPO / "recipes"

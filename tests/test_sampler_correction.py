@@ -7,10 +7,11 @@ import math
 import pytest
 import torch
 
-import trl_ext.trainer as trainer_module
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.core import SAMPLER_CORRECTION_MODES, clipped_policy_loss, sampler_correction_weights
+from trl_ext.models import sequence_inputs
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+from trl_ext.trainer.update import policy_terms
 
 MASK = torch.tensor([[True, True, True], [True, False, False]])
 OLD = torch.tensor([[-1.0, -2.0, -0.5], [-1.0, 7.0, 7.0]])  # padding holds garbage
@@ -98,16 +99,16 @@ def _trainer(tmp_path, **kw):
 def _rollout(trainer, sampler_shift: float):
     """A rollout whose sampler reports log-probs `sampler_shift` below the true ones (a sampler that disagrees)."""
     def shifted(*args, **kwargs):
-        responses, logprobs = generate(*args, **kwargs)
+        responses, logprobs = draw(*args, **kwargs)
         return responses, logprobs - sampler_shift
 
-    generate = trainer_module.generate_responses
+    draw = trainer.sampler.draw  # the one call of HF generate
     batch = next(iter(trainer.dataloader))
-    trainer_module.generate_responses = shifted
+    trainer.sampler.draw = shifted
     try:
         return trainer.rollout(batch["input_ids"], batch["attention_mask"])
     finally:
-        trainer_module.generate_responses = generate
+        del trainer.sampler.draw
 
 
 def test_trainer_weights_the_policy_loss_by_the_samplers_mismatch(tmp_path):
@@ -127,11 +128,11 @@ def test_trainer_weights_the_policy_loss_by_the_samplers_mismatch(tmp_path):
 
     # the policy loss is scaled by the weights
     micro = rollout
-    inputs = trainer_module.sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
+    inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
     logits, _ = on.model(**inputs, logits_to_keep=micro.responses.shape[1] + 1)
     uniform = torch.where(mask, math.exp(0.5), 0.0)  # the weights above, without their ~1e-6 sampler noise
-    weighted, _, _ = on._policy_terms(logits, type(micro)(**{**vars(micro), "sampler_weights": uniform}), None)
-    plain, _, _ = on._policy_terms(logits, type(micro)(**{**vars(micro), "sampler_weights": None}), None)
+    weighted, _, _ = policy_terms(logits, type(micro)(**{**vars(micro), "sampler_weights": uniform}), on.args, None)
+    plain, _, _ = policy_terms(logits, type(micro)(**{**vars(micro), "sampler_weights": None}), on.args, None)
     # (rel 1e-4: the per-token losses nearly cancel in the fp32 sum, so its rounding shows at 2e-5)
     assert weighted.item() == pytest.approx(math.exp(0.5) * plain.item(), rel=1e-4) and plain.item() != 0
 

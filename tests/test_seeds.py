@@ -1,6 +1,6 @@
-"""trl_ext.seeds: the seeds derived from PPOConfig.seed, by hand, and distinct where streams must differ."""
+"""trl_ext.trainer.seeds: the seeds derived from PPOConfig.seed, by hand, and distinct where streams must differ."""
 
-from trl_ext.seeds import eval_seed, process_seed, vllm_rollout_seed, vllm_stream_seed
+from trl_ext.trainer.seeds import eval_seed, process_seed, vllm_rollout_seed, vllm_stream_seed
 
 
 def test_derived_seeds_by_hand():

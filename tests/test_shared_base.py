@@ -299,7 +299,8 @@ def test_trainer_shared_losses_with_checkpointing_equal_those_without(tmp_path):
     def grads():
         for p in shared.trainable_parameters():
             p.grad = None
-        t._shared_losses(inputs, r, critic_only=False, denominator=None, loss_scale=1.0)
+        t.update_phase.micro_batch_losses(inputs, r, critic_only=False, denominator=None, loss_scale=1.0,
+                                          vf_coef=t.vf_coef)
         return [p.grad.clone() for p in shared.trainable_parameters()]
 
     calls = []

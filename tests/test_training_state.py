@@ -120,21 +120,17 @@ def test_critic_warmup_freezes_the_policy_and_still_saves(tmp_path):
     assert (tmp_path / "checkpoint-1" / "value_model").is_dir() and (tmp_path / "checkpoint-2").is_dir()
 
 
-def test_critic_warmup_on_one_process_runs_no_policy_backward_and_trains_the_critic_the_same(tmp_path,
-                                                                                              monkeypatch):
+def test_critic_warmup_on_one_process_runs_no_policy_backward_and_trains_the_critic_the_same(tmp_path):
     """On one plain process the warmup's policy pass runs without a graph (its gradients would be dropped); under
     DDP/DeepSpeed/FSDP it keeps the weight-0 policy term. Both give the same critic and the same logged stats."""
-    import trl_ext.trainer as trainer_module
-
     def run(joint):
-        if joint:  # the distributed path: the policy term at weight 0, one backward of the summed loss
-            monkeypatch.setattr(trainer_module, "DistributedType", type("Never", (), {"NO": "never"}))
         t = make_trainer(config(tmp_path / str(joint), critic_warmup_steps=2), callbacks=[StopAt(2)])
+        # joint: the distributed path, the policy term at weight 0 and one backward of the summed loss
+        t.backend.plain = not joint
         policy_grads = []
         for p in t.unwrapped.policy.parameters():
             p.register_hook(lambda g: policy_grads.append(1))
         t.train()
-        monkeypatch.undo()
         return t, len(policy_grads)
 
     alone, alone_grads = run(joint=False)

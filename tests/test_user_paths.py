@@ -14,7 +14,6 @@ import torch
 from datasets import Dataset
 from transformers import OPTConfig, OPTForCausalLM, TrainerCallback
 
-import trl_ext.trainer as trainer_module
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.models import Sampling, generate_responses, sequence_inputs
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
@@ -352,14 +351,13 @@ def test_generate_completions_moves_the_batch_to_the_device_and_keeps_the_traini
 
     t.eval_dataloader.collate_fn = tracked_collate
     seen = []
-    original = trainer_module.generate_responses
+    original = t.sampler.draw  # the one call of HF generate
 
-    def spy(policy, queries, query_mask, *args, **kwargs):
+    def spy(policy, queries, query_mask):
         seen.append(type(queries) is torch.Tensor and type(query_mask) is torch.Tensor)
-        return original(policy, queries.as_subclass(torch.Tensor), query_mask.as_subclass(torch.Tensor), *args,
-                        **kwargs)
+        return original(policy, queries.as_subclass(torch.Tensor), query_mask.as_subclass(torch.Tensor))
 
-    monkeypatch.setattr(trainer_module, "generate_responses", spy)
+    monkeypatch.setattr(t.sampler, "draw", spy)
     state = torch.get_rng_state()
     t.generate_completions()
     assert seen and all(seen)
@@ -384,8 +382,9 @@ def test_every_batch_setup_trl_accepts_trains_with_trls_micro_batch_rule(tmp_pat
                  gradient_accumulation_steps=ga, num_mini_batches=minibatches, total_episodes=B, num_ppo_epochs=2,
                  optimizers=(adam, None))
     sizes = []
-    original = t._losses
-    monkeypatch.setattr(t, "_losses", lambda inputs, mb, *a: sizes.append(len(mb)) or original(inputs, mb, *a))
+    original = t.update_phase.micro_batch_losses
+    monkeypatch.setattr(t.update_phase, "micro_batch_losses",
+                        lambda inputs, mb, *a: sizes.append(len(mb)) or original(inputs, mb, *a))
     t.train()
     assert len(steps) == 2 * minibatches
     assert sizes == micro_sizes * (2 * minibatches)

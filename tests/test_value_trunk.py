@@ -5,7 +5,6 @@ over the output the rollout kept. The trained weights and every logged number ma
 import pytest
 import torch
 
-import trl_ext.trainer as trainer_module
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.models import FrozenTrunk, freeze_backbone, scalar_head_outputs, sequence_inputs
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
@@ -57,7 +56,7 @@ def test_no_trunk_when_nothing_is_frozen_or_everything_is_or_the_split_forward_d
 
 def run(tmp_path, trunk: bool, monkeypatch, **kw):
     if not trunk:
-        monkeypatch.setattr(trainer_module.FrozenTrunk, "of", staticmethod(lambda model: None))
+        monkeypatch.setattr(FrozenTrunk, "of", staticmethod(lambda model: None))
     tok = tiny_tokenizer()
     args = PPOConfig(output_dir=str(tmp_path / str(trunk)), per_device_train_batch_size=2,
                      gradient_accumulation_steps=2, num_mini_batches=2, total_episodes=8, response_length=6,
@@ -78,7 +77,7 @@ def run(tmp_path, trunk: bool, monkeypatch, **kw):
 def test_the_update_runs_the_critics_top_only_and_trains_the_same(tmp_path, monkeypatch, rollout_logprobs):
     ours, ours_calls = run(tmp_path, True, monkeypatch, rollout_logprobs=rollout_logprobs, critic_warmup_steps=1)
     full, full_calls = run(tmp_path, False, monkeypatch, rollout_logprobs=rollout_logprobs, critic_warmup_steps=1)
-    assert ours.unwrapped.value_trunk is not None and full.unwrapped.value_trunk is None
+    assert ours.unwrapped.trunk is not None and full.unwrapped.trunk is None
     steps, minibatch_forwards = 2, 2 * 2 * 2  # 2 iterations x 2 epochs x 2 micro-batches
     assert ours_calls == steps  # the rollouts' passes only (one chunk each)
     assert full_calls == steps + minibatch_forwards
@@ -133,7 +132,7 @@ def test_the_reference_pass_gives_the_trunk_and_the_critics_frozen_layers_never_
 
     shared, shared_calls = train(True)
     own, own_calls = train(False)
-    assert shared.trunk_source is not None and own.trunk_source is None
+    assert shared.trunk_from_reference is not None and own.trunk_from_reference is None
     assert shared_calls == 0 and own_calls == 2  # one rollout pass per iteration without the reference's help
     for a, b in zip(shared.unwrapped.parameters(), own.unwrapped.parameters()):
         torch.testing.assert_close(a, b, atol=1e-6, rtol=1e-5)

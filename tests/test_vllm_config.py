@@ -3,8 +3,8 @@
 import pytest
 
 from trl_ext import PPOConfig, PPOTrainer
+from trl_ext.models.vllm_sampler import vllm_available
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
-from trl_ext.vllm_sampler import vllm_available
 
 
 def test_the_sampler_correction_follows_use_vllm_unless_set(tmp_path):

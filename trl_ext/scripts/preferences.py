@@ -77,7 +77,7 @@ def build_preference_pairs(prompts: list[str], completions: list[list[str]], sco
 
 def sample_completions(policy, tokenizer, prompts: list[str], K: int, args, gold, batch_size: int = 64) -> dict:
     """`K` completions of each of `prompts` (user messages, rendered with the chat template as PPOTrainer renders a
-    conversational prompt: trl_ext.prompts), sampled with trl_ext's PPO sampler at `args.response_length` and
+    conversational prompt: trl_ext.data.prompts), sampled with trl_ext's PPO sampler at `args.response_length` and
     `args.temperature`; `gold(prompts, completions)` scores them as PPO passes them to a reward function (decoded
     without special tokens, cut after the stop token).
 
@@ -86,9 +86,9 @@ def sample_completions(policy, tokenizer, prompts: list[str], K: int, args, gold
     tensors queries (P*K, Q), query_mask, responses (P*K, T), response_mask, for scoring with the RM later."""
     from datasets import Dataset
 
-    from .core import response_mask_from_stop
-    from .models import Sampling, generate_responses
-    from .prompts import LeftPaddingCollator, prepare_prompts
+    from ..core import response_mask_from_stop
+    from ..data.prompts import LeftPaddingCollator, prepare_prompts
+    from ..models import Sampling, generate_responses
 
     dataset = Dataset.from_dict({"prompt": [[{"role": "user", "content": p}] for p in prompts]})
     prepared = prepare_prompts(dataset, tokenizer, args.max_prompt_length, args.prompt_truncation).dataset
@@ -239,7 +239,7 @@ def evaluate_reward_model(reward_model, tokenizer, sampled: dict, pairs: dict, t
     training loss."""
     import torch
 
-    from .rewards import score_responses
+    from ..rewards import score_responses
 
     device = next(reward_model.parameters()).device  # RewardTrainer may have moved it to an accelerator
     with torch.no_grad():

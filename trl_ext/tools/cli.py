@@ -1,12 +1,12 @@
 """The ``trl-ext`` command line.
 
-    trl-ext report RUN_DIR               # or: python -m trl_ext.cli report RUN_DIR
+    trl-ext report RUN_DIR               # or: python -m trl_ext.tools.cli report RUN_DIR
     trl-ext estimate-memory CONFIG [--model PRESET|config.json] [--json] [--all-presets]
 
 ``report`` prints a summary of ``RUN_DIR/metrics.jsonl`` (start vs end of the key metrics, alarms raised) and writes
 ``RUN_DIR/dashboard.png``; the last line printed is the PNG's path.
 
-``estimate-memory`` prints the memory planner's table (trl_ext/memory.py) for a recipe's plan (a YAML/JSON file of
+``estimate-memory`` prints the memory planner's table (trl_ext/tools/memory.py) for a recipe's plan (a YAML/JSON file of
 PlanConfig fields, e.g. recipes/qlora_7b/shared_16gb.yaml) and a model: ``--model``, else the file's ``model`` key
 (a preset: llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b; or a config.json). ``--json`` prints it as JSON;
 ``--all-presets`` prints one line per preset instead.
@@ -34,7 +34,7 @@ def _parser() -> argparse.ArgumentParser:
     est = sub.add_parser(
         "estimate-memory",
         help="estimate the GPU memory of a PPO recipe (per component and phase) and whether it fits 24/16/12 GB",
-        description="Print the memory planner's table for CONFIG (a YAML/JSON file of trl_ext.memory.PlanConfig "
+        description="Print the memory planner's table for CONFIG (a YAML/JSON file of trl_ext.tools.memory.PlanConfig "
         "fields) and a model, the peak phase, and a verdict for 24, 16 and 12 GB GPUs.",
     )
     est.add_argument("config", metavar="CONFIG", help="plan file, e.g. recipes/qlora_7b/shared_16gb.yaml")
@@ -75,7 +75,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.print_help(sys.stderr)
         return 2
     if args.command == "report":
-        from .report import report
+        from ..monitoring.report import report
 
         try:
             summary = report(args.run_dir)

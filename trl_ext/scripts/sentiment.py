@@ -1,6 +1,6 @@
 """The shipped opinion prompts and the VADER sentiment scorer, shared by the sentiment recipes and notebooks.
 
-- `load_prompts(split)`: the prompts of `trl_ext/assets/opinion_prompts.jsonl`, written for this project: 80
+- `load_prompts(split)`: the prompts of `trl_ext/scripts/assets/opinion_prompts.jsonl`, written for this project: 80
   requests for a review or an opinion ("Write a short review of a bakery.", "What do you think of rainy days?"), 64
   in the "train" split and 16 held out in "test" (chosen at random once, seed 0, and stored in the file).
 - `vader_reward(prompts, completions)`: the VADER compound sentiment of each completion, in [-1, 1] (Hutto & Gilbert

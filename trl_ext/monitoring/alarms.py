@@ -4,8 +4,8 @@
 failure modes starts; `AlarmCallback` runs it inside the trainer and turns each alarm into a `PPOAlarmWarning` plus an
 ``alarm/<name>: 1.0`` entry in the logged metrics::
 
-    from trl_ext.alarms import AlarmCallback
-    from trl_ext.callbacks import MetricsFileCallback
+    from trl_ext.monitoring.alarms import AlarmCallback
+    from trl_ext.monitoring.callbacks import MetricsFileCallback
 
     trainer = PPOTrainer(..., callbacks=[AlarmCallback(), MetricsFileCallback()])   # AlarmCallback first
 

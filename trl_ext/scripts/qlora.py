@@ -1,4 +1,4 @@
-"""Runs from a memory-plan config: a YAML of `trl_ext.memory.PlanConfig` fields (recipes/qlora_7b/*.yaml, the file
+"""Runs from a memory-plan config: a YAML of `trl_ext.tools.memory.PlanConfig` fields (recipes/qlora_7b/*.yaml, the file
 `trl-ext estimate-memory` reads) turned into the PPOConfig, BitsAndBytesConfig and LoraConfig of a run, and the
 planner's estimate printed before anything loads (with, on a CUDA machine, whether it fits the GPU's free memory).
 recipes/ppo_qlora_7b.py is the command line on top.
@@ -17,9 +17,9 @@ import os
 import sys
 from typing import Any
 
-from .config import PPOConfig
-from .memory import GIB, ModelShape, PlanConfig, estimate_memory, load_shape, quantized_bytes_per_param
-from .scripts import hub_load, load_tokenizer
+from ..config import PPOConfig
+from ..tools.memory import GIB, ModelShape, PlanConfig, estimate_memory, load_shape, quantized_bytes_per_param
+from . import hub_load, load_tokenizer
 
 PPO_FIELDS = frozenset(f.name for f in dataclasses.fields(PPOConfig))
 PLAN_FIELDS = frozenset(f.name for f in dataclasses.fields(PlanConfig))
@@ -52,7 +52,7 @@ def read_recipe_config(path: str) -> dict:
     if raw.get("chunked_logits", True) is not True:
         raise ValueError(f"--config {path!r}: chunked_logits=false plans TRL 1.12's forwards; trl_ext always computes "
                          "the logits of the response positions only and log-probs in chunks: set it to true.")
-    from .models import LOGPROB_CHUNK
+    from ..models import LOGPROB_CHUNK
 
     if raw.get("logits_chunk_size", LOGPROB_CHUNK) != LOGPROB_CHUNK:
         raise ValueError(f"--config {path!r}: logits_chunk_size={raw['logits_chunk_size']}, but trl_ext takes "
@@ -100,7 +100,7 @@ def parse_plan_args(script_class, defaults: dict, argv: list[str] | None = None)
         if {"-h", "--help"} & set(argv):
             parser.parse_args_into_dataclasses(args=argv)  # prints the help and exits
         raise ValueError("--config is required: one of recipes/qlora_7b/{shared_24gb,shared_16gb,shared_12gb,"
-                         "separate_24gb}.yaml (or your own file of trl_ext.memory.PlanConfig fields).")
+                         "separate_24gb}.yaml (or your own file of trl_ext.tools.memory.PlanConfig fields).")
     raw = read_recipe_config(config)
 
     defaults = {k: v for k, v in raw.items() if k in PPO_FIELDS or k in SCRIPT_PLAN_KEYS}
@@ -249,7 +249,7 @@ def report_memory_plan(script_args, plan: PlanConfig) -> dict:
     extra = extra_reward_model_bytes(shape, plan) if plan.layout == "shared" and not script_args.reward_adapter \
         and not script_args.reward_function else 0
     required = estimate.required_bytes + extra * (1 + plan.fragmentation)
-    print(f"[recipe] memory plan (trl_ext.memory) for {shape.name} ({shape.num_parameters() / 1e9:.2f}B params; "
+    print(f"[recipe] memory plan (trl_ext.tools.memory) for {shape.name} ({shape.num_parameters() / 1e9:.2f}B params; "
           f"shape from {source}), layout {plan.layout}, {plan.base_dtype} base, rollout batch "
           f"{plan.local_batch_size} of {plan.max_prompt_length} + {plan.response_length} tokens, micro-batch "
           f"{plan.per_device_train_batch_size}, forward chunks of {plan.local_rollout_forward_batch_size}:", flush=True)
@@ -285,7 +285,7 @@ def load_model(what: str, name: str, flag: str, model_class, plan: PlanConfig, s
     bitsandbytes' CPU repacking of 4-bit weights off (it breaks LoRA gradients; trl_ext.models)."""
     import torch
 
-    from .models import disable_bnb_cpu_repack
+    from ..models import disable_bnb_cpu_repack
 
     kwargs.update(dtype=weights_dtype(plan), attn_implementation=script_args.attn_implementation,
                   trust_remote_code=trust_remote_code)
@@ -334,7 +334,7 @@ def build_models(script_args, args: PPOConfig, plan: PlanConfig, tokenizer, rewa
                                              "--reward_tokenizer_path"))
 
     if plan.layout == "shared":
-        from .models import build_shared_base
+        from ..models import build_shared_base
 
         base = load_model("base model", name, "--model_name_or_path", AutoModelForCausalLM, plan, script_args,
                           args.trust_remote_code)

@@ -15,7 +15,8 @@
 - `load_tokenizer`, `load_prompt_splits`: a left-padding tokenizer with a pad token; prompt datasets from the hub, a
   data file, a folder of split files or a `save_to_disk` folder.
 - `load_dtype`: TRL's `--dtype` as `from_pretrained` takes it, checked against the precision flags.
-- `clear_run_files`, `write_json`: a run folder that holds one run (JSON lines: `trl_ext.callbacks.append_jsonl`).
+- `clear_run_files`, `write_json`: a run folder that holds one run (JSON lines:
+  `trl_ext.monitoring.callbacks.append_jsonl`).
 """
 
 from __future__ import annotations
@@ -243,8 +244,8 @@ def clear_run_files(output_dir, names: Iterable[str]) -> list[str]:
 
 def write_json(path, record: dict) -> None:
     """`record` as JSON, nested dicts and lists included, its values as metrics.jsonl writes them (non-finite floats
-    as null: `trl_ext.callbacks._jsonable`)."""
-    from .callbacks import _jsonable
+    as null: `trl_ext.monitoring.callbacks._jsonable`)."""
+    from ..monitoring.callbacks import _jsonable
 
     def clean(value):
         if isinstance(value, dict):

@@ -1,6 +1,6 @@
 """Memory planner for PPO with (Q)LoRA on one GPU: pure arithmetic, no torch.
 
-    from trl_ext.memory import ModelShape, PlanConfig, estimate_memory
+    from trl_ext.tools.memory import ModelShape, PlanConfig, estimate_memory
     plan = PlanConfig.from_file("recipes/qlora_7b/shared_16gb.yaml")
     est = estimate_memory(ModelShape.from_preset("mistral-7b"), plan)
     print(est.format_table())            # or: trl-ext estimate-memory recipes/qlora_7b/shared_16gb.yaml

@@ -26,7 +26,8 @@ import weakref
 import torch
 from torch import nn
 
-from .models import Sampling, _underlying
+from .forward import _underlying
+from .generation import Sampling
 
 
 def vllm_available() -> bool:

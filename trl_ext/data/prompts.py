@@ -341,7 +341,7 @@ class LeftPaddingCollator:
         for i, row in enumerate(rows):
             if "input_ids" not in row:
                 raise ValueError(f"Batch row {i} has no 'input_ids' (its columns: {list(row)}): tokenize the prompts "
-                                 "first, with trl_ext.prompts.prepare_prompts(dataset, tokenizer).")
+                                 "first, with trl_ext.data.prompts.prepare_prompts(dataset, tokenizer).")
             ids = row["input_ids"]
             ids = ids.tolist() if hasattr(ids, "tolist") else list(ids)
             mask = row.get("attention_mask")

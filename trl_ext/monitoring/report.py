@@ -1,13 +1,13 @@
 """Post-hoc report of a trl_ext PPO run: a text summary and a one-page PNG dashboard.
 
 The trainer's output_dir holds ``metrics.jsonl`` (one JSON object per PPO step, written by
-`trl_ext.callbacks.MetricsFileCallback`) and may hold ``samples.jsonl``. From the command line::
+`trl_ext.monitoring.callbacks.MetricsFileCallback`) and may hold ``samples.jsonl``. From the command line::
 
-    trl-ext report RUN_DIR            # or: python -m trl_ext.cli report RUN_DIR
+    trl-ext report RUN_DIR            # or: python -m trl_ext.tools.cli report RUN_DIR
 
 From Python::
 
-    from trl_ext.report import load_metrics, summarize, make_dashboard, report
+    from trl_ext.monitoring.report import load_metrics, summarize, make_dashboard, report
     print(report("runs/quickstart"))  # writes runs/quickstart/dashboard.png
 
 This module needs only the standard library and matplotlib (Agg backend, no window is ever opened); it does not
@@ -21,7 +21,7 @@ import math
 import os
 from pathlib import Path
 
-METRICS_FILE = "metrics.jsonl"  # same name as trl_ext.callbacks.METRICS_FILE (not imported: it pulls transformers)
+METRICS_FILE = "metrics.jsonl"  # as trl_ext.monitoring.callbacks.METRICS_FILE (not imported: it pulls transformers)
 SAMPLES_FILE = "samples.jsonl"
 DASHBOARD_FILE = "dashboard.png"
 
@@ -71,14 +71,14 @@ def _metrics_path(run_dir) -> Path:
     if not path.exists():
         raise FileNotFoundError(
             f"run folder {str(path)!r} does not exist. Pass the output_dir of a trl_ext training run: "
-            f"trl_ext's PPOTrainer (with trl_ext.callbacks.MetricsFileCallback) writes {METRICS_FILE} there."
+            f"trl_ext's PPOTrainer (with trl_ext.monitoring.callbacks.MetricsFileCallback) writes {METRICS_FILE} there."
         )
     file = path / METRICS_FILE
     if not file.is_file():
         raise FileNotFoundError(
             f"{str(file)!r} not found: {str(path)!r} has no {METRICS_FILE}. It is written during training by "
-            f"trl_ext's PPOTrainer to its output_dir (trl_ext.callbacks.MetricsFileCallback, one JSON line per PPO "
-            f"step): train with trl_ext, then run `trl-ext report <output_dir>`."
+            f"trl_ext's PPOTrainer to its output_dir (trl_ext.monitoring.callbacks.MetricsFileCallback, one JSON "
+            f"line per PPO step): train with trl_ext, then run `trl-ext report <output_dir>`."
         )
     return file
 

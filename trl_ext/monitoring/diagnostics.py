@@ -15,8 +15,8 @@ from collections.abc import Callable
 
 import torch
 
-from .core import estimate_kl
-from .rollout import Rollout
+from ..core import estimate_kl
+from ..trainer.rollout import Rollout
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # (B, k) on each process -> (B·processes, k)
 

@@ -31,8 +31,8 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from .core import last_true_index
-from .models import position_ids_from_mask, scalar_head_outputs, sequence_inputs
+from ..core import last_true_index
+from ..models import position_ids_from_mask, scalar_head_outputs, sequence_inputs
 
 RewardFunction = Callable[..., list[float]]
 

@@ -1,0 +1,77 @@
+"""What every model gets before training: dropout off in every form, bitsandbytes' in-place CPU repacking off,
+and whether a model is quantized."""
+
+from __future__ import annotations
+
+import torch.nn as nn
+
+from .forward import _underlying
+
+
+def disable_bnb_cpu_repack(*models) -> int:
+    """Set `support_avx512bf16_for_cpu = False` on every bitsandbytes `Linear4bit` of the given models; returns how
+    many layers were found.
+
+    On a CPU with AVX512-BF16, bitsandbytes 0.50 repacks a 4-bit weight in place the first time it sees a no-grad
+    forward in eval mode, and the repacked path (gemv_4bit) has no autograd: LoRA gradients through that layer come
+    out silently wrong afterwards. With the flag off the weights are never repacked. A layer that was already
+    repacked is an error (bitsandbytes' inverse conversion is lossy): call this right after loading the model.
+    """
+    count = 0
+    for model in models:
+        if not isinstance(model, nn.Module):
+            continue
+        for name, module in model.named_modules():
+            if not hasattr(module, "support_avx512bf16_for_cpu"):
+                continue
+            module.support_avx512bf16_for_cpu = False
+            count += 1
+            state = getattr(getattr(module, "weight", None), "quant_state", None)
+            if getattr(state, "packing_format_for_cpu", False):
+                raise ValueError(
+                    f"The 4-bit layer {name!r} of {type(model).__name__} was already repacked for AVX512-BF16 CPU "
+                    "inference (a no-grad forward in eval mode ran on it); LoRA gradients through it would be wrong. "
+                    "Call trl_ext.models.disable_bnb_cpu_repack(model) right after loading, before any evaluation "
+                    "forward, or reload the model.")
+    return count
+
+
+def _is_rate(name: str, value) -> bool:
+    return "drop" in name.lower() and isinstance(value, float) and value > 0
+
+
+def disable_dropout(model: nn.Module) -> None:
+    """Turn off every dropout of `model`, whatever form it takes, so rollout and update forwards are deterministic:
+
+    - `nn.Dropout` modules (p = 0; all TRL's `disable_dropout_in_model` does);
+    - rates stored on modules and applied in forward in training mode (Llama's and Qwen's `attention_dropout`, OPT's
+      `dropout`, Bloom's `hidden_dropout`: `dropout(x, p=self.dropout, training=self.training)`);
+    - rates in the model's config read at forward time (`self.config.layerdrop`, ...).
+
+    PPO needs this: with dropout on, the rollout's log-probs and the update's differ at lr 0 (ratio ≠ 1, KL ≠ 0
+    against an identical reference). The config's rates stay 0 in a saved model's config.json."""
+    from transformers import PretrainedConfig
+
+    configs = []
+    for module in model.modules():
+        if isinstance(module, nn.modules.dropout._DropoutNd):
+            module.p = 0.0
+        for name, value in list(vars(module).items()):
+            if _is_rate(name, value):
+                setattr(module, name, 0.0)
+        config = getattr(module, "config", None)
+        if isinstance(config, PretrainedConfig) and all(config is not c for c in configs):
+            configs.append(config)
+    while configs:
+        config = configs.pop()
+        for name, value in list(vars(config).items()):
+            if _is_rate(name, value):
+                setattr(config, name, 0.0)
+            elif isinstance(value, PretrainedConfig):  # text_config, vision_config, ...
+                configs.append(value)
+
+
+def is_quantized(model) -> bool:
+    """Loaded in 4-bit or 8-bit by bitsandbytes (through a peft wrapper too)."""
+    base = _underlying(model) if isinstance(model, nn.Module) else model
+    return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))

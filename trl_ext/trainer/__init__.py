@@ -1,0 +1,23 @@
+"""`PPOTrainer` and its phases, one file each:
+
+    ppo_trainer.py   PPOTrainer: the set-up steps, train() (rollout -> update -> metrics), saving, evaluation calls
+    rollout.py       steps 1-7 (generate, score, rewards, advantages) and the `Rollout` they produce
+    update.py        step 8: PPO epochs over minibatches of micro-batches, the loss terms
+    backend.py       the engine (one process, DDP, DeepSpeed ZeRO-1/2/3, FSDP2) and the model layout, decided once
+    checkpoint.py    checkpoint-N: what it holds, writing it atomically, resuming from it
+    evaluation.py    held-out paired evaluation against the reference, sample completions
+    seeds.py         every random seed derived from PPOConfig.seed
+    allocator.py     glibc malloc settings that keep a CPU run's freed memory for reuse
+
+Imported on first use, so `trl_ext.trainer.seeds` (say) loads without trl.
+"""
+
+_LAZY = {"PPOTrainer": ".ppo_trainer", "Rollout": ".rollout"}
+
+
+def __getattr__(name):
+    if name in _LAZY:
+        import importlib
+
+        return getattr(importlib.import_module(_LAZY[name], __name__), name)
+    raise AttributeError(f"module 'trl_ext.trainer' has no attribute {name!r}")

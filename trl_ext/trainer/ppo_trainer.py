@@ -1,0 +1,782 @@
+"""`trl_ext.PPOTrainer`: TRL 1.12's PPOTrainer with a correct, decomposed training step.
+
+One PPO iteration (`train()`), in TRL's numbered steps, each phase in its own file of this package:
+
+    rollout = self.rollout(queries, query_mask)   # 1-7: generate, mask, log-probs, values, scores, rewards, GAE
+    stats = self.ppo_update(rollout)              # 8: PPO epochs over minibatches (clipped losses, grad clipping)
+    self.log(self.metrics(rollout, stats))        # 9: log over real tokens only
+
+The constructor runs the set-up steps below in order; the phases it builds (`rollout_phase`: rollout.py,
+`update_phase`: update.py, `evaluator`: evaluation.py) each receive only what they use, and every question about the
+engine or the model layout goes to `backend` (backend.py). Saving and resuming: checkpoint.py.
+
+Shapes: B = rollouts, Q = query length (left-padded), T = response length.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import time
+from pathlib import Path
+
+import torch
+from accelerate import Accelerator
+from accelerate.utils import GradientAccumulationPlugin
+from torch.utils.data import DataLoader
+from transformers import Trainer, TrainerControl
+from transformers.integrations import get_reporting_integration_callbacks
+from transformers.trainer import DEFAULT_CALLBACKS
+from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
+from transformers.trainer_utils import set_seed
+from transformers.utils import is_peft_available
+
+from .._trl import OnlineTrainerState, PPOTrainerBase
+from ..config import PPOConfig
+from ..core import make_kl_controller
+from ..data.batches import RolloutBatchSampler
+from ..data.prompts import LeftPaddingCollator, prepare_prompts
+from ..models import (
+    FrozenTrunk,
+    PolicyAndValueWrapper,
+    Sampling,
+    SharedBaseModels,
+    build_value_model,
+    disable_bnb_cpu_repack,
+    disable_dropout,
+    is_quantized,
+    lora_for_quantized_value_model,
+    probe_batch,
+    sampling_config,
+)
+from ..monitoring.alarms import AlarmCallback
+from ..monitoring.callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
+from ..monitoring.diagnostics import (
+    UpdateStats,
+    mean_sequence_kl,
+    rollout_metrics,
+    source_metrics,
+    update_metrics,
+)
+from ..monitoring.phases import Phases
+from ..monitoring.progress import PPOProgress
+from ..rewards import RewardNormalizer, RewardScorer, has_score_head
+from .allocator import allocator_chosen_by_user, keep_freed_memory, largest_trained_block
+from .backend import Backend, Reference, reference_copy
+from .checkpoint import (
+    VALUE_MODEL_DIR,
+    check_compatible,
+    find_checkpoint,
+    load_trained_weights,
+    read_state,
+    run_settings,
+    staged,
+    write_state,
+)
+from .evaluation import Evaluator, dataset_columns
+from .rollout import Rollout, RolloutPhase
+from .sampling import ResponseSampler, colocated_vllm
+from .seeds import process_seed
+from .update import PPOUpdate, vf_coef_at
+
+if is_peft_available():
+    from peft import PeftConfig, PeftModel, get_peft_model
+
+
+def _exact_div(a: int, b: int, what: str) -> int:
+    if a % b:
+        raise ValueError(f"{what}: {a} is not divisible by {b}; choose sizes so that it is.")
+    return a // b
+
+
+class PPOTrainer(PPOTrainerBase):
+    """Drop-in replacement for `trl.experimental.ppo.PPOTrainer` (same arguments), with its reported defects fixed.
+
+    `reward_model` may also be a plain function `(prompts: list[str], completions: list[str]) -> list[float]`.
+    """
+
+    _tag_names = ["trl", "ppo", "trl_ext"]
+
+    def __init__(
+        self,
+        args: PPOConfig,
+        processing_class,
+        model,
+        ref_model,
+        reward_model,
+        train_dataset,
+        value_model,
+        data_collator=None,
+        eval_dataset=None,
+        optimizers=(None, None),
+        callbacks=None,
+        peft_config: PeftConfig | None = None,
+        eval_reward=None,
+        reward_processing_classes=None,
+    ) -> None:
+        """TRL 1.12's arguments. Set up in steps, each a method below, in this order (the order random numbers are
+        drawn in: seeding, the critic's new head, the LoRA matrices, the reference copy)."""
+        self._check_arguments(args, processing_class, model, ref_model, reward_model, train_dataset)
+        self.args, self.processing_class = args, processing_class
+        set_seed(args.seed)  # python, numpy and torch: two runs with the same seed give the same weights
+        model = self._setup_shared_base(model, ref_model, value_model, peft_config)
+        self._setup_stop_token()
+        train_dataset, eval_dataset, data_collator = self._setup_prompts(train_dataset, eval_dataset, data_collator)
+        self._setup_rewards(reward_model, reward_processing_classes, eval_reward, eval_dataset)
+        self.value_model = self._setup_value_model(value_model, model, peft_config)  # before PEFT touches the policy
+        self._setup_policy(model, ref_model, peft_config)
+        self.train_dataset, self.train_dataset_len, self.eval_dataset = train_dataset, len(train_dataset), eval_dataset
+        self.data_collator = data_collator
+        self._setup_batch_sizes(optimizers)
+        self._setup_accelerator()
+        self._setup_models()
+        self.reuses_freed_memory = self._setup_allocator()
+        self._setup_callbacks_and_state(callbacks)
+        self._setup_trainer_internals()
+        self._setup_dataloaders(train_dataset, eval_dataset, data_collator)
+        self._prepare_models()
+        self._place_frozen_models()
+        self._setup_value_trunk()
+        # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
+        self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
+        self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
+        self.vllm = self._setup_vllm() if args.use_vllm else None
+        # each process samples its own responses; seeded last, as DeepSpeed's engine set-up may draw random numbers
+        torch.manual_seed(self.local_seed)
+        self._setup_phases()
+
+    # ------------------------------------------------------------------------------------------------ setup steps
+    @staticmethod
+    def _check_arguments(args, tokenizer, model, ref_model, reward_model, train_dataset) -> None:
+        if not isinstance(args, PPOConfig):
+            raise TypeError(f"`args` must be a trl_ext.PPOConfig, got {type(args).__name__}: import PPOConfig from "
+                            "trl_ext alongside PPOTrainer.")
+        if train_dataset is None:
+            raise ValueError("`train_dataset` is required.")
+        if ref_model is model:
+            raise ValueError("`model` and `ref_model` cannot be the same object: pass a copy, or `None` (a frozen "
+                             "copy is made, or with peft the adapter is disabled).")
+        if reward_model is None:
+            raise ValueError("`reward_model` is required: a sequence-classification model, a function "
+                             "(prompts: list[str], completions: list[str], **columns) -> list[float], or a list.")
+        if tokenizer.pad_token_id is None:
+            raise ValueError("The tokenizer has no pad token: set `tokenizer.pad_token` (e.g. to its EOS token).")
+
+    def _setup_shared_base(self, model, ref_model, value_model, peft_config):
+        """A shared base (trl_ext.models.build_shared_base): one base model, every role an adapter of it. Returns the
+        policy model."""
+        self.shared = model if isinstance(model, SharedBaseModels) else None
+        if self.shared is None:
+            return model
+        self._check_shared_base(self.args, ref_model, value_model, peft_config)
+        return self.shared.policy
+
+    def _setup_stop_token(self) -> None:
+        """By default generation stops at EOS, and the stop token is a real response token."""
+        args = self.args
+        if args.stop_token_id is not None:
+            self.stop_token_id = args.stop_token_id
+        elif args.stop_token == "none":
+            self.stop_token_id = None
+        else:
+            self.stop_token_id = self.processing_class.eos_token_id
+        if args.missing_eos_penalty and self.stop_token_id is None:  # 0: no penalty, as in TRL
+            raise ValueError(f"missing_eos_penalty={args.missing_eos_penalty} is set but there is no stop token "
+                             "(stop_token='none'): set a stop token or drop the penalty.")
+
+    def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
+        """A `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever the
+        tokenizer's padding side. A custom data_collator gets the dataset as given (and must left-pad)."""
+        args, tokenizer = self.args, self.processing_class
+        self.prompt_counts = {"data/prompts_truncated": 0, "data/prompts_dropped": 0}
+        self.column_names: tuple[str, ...] = ()  # dataset columns that travel with each prompt to the rewards
+        if data_collator is not None:
+            return train_dataset, eval_dataset, data_collator
+        prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation)
+        self.prompt_counts = {"data/prompts_truncated": prepared.num_truncated,
+                              "data/prompts_dropped": prepared.num_dropped}
+        if prepared.num_truncated or prepared.num_dropped:
+            print(f"[trl_ext] prompts longer than max_prompt_length={args.max_prompt_length}: "
+                  f"{prepared.num_truncated} cut from the left after their head, {prepared.num_dropped} dropped")
+        if eval_dataset is not None:
+            eval_dataset = prepare_prompts(eval_dataset, tokenizer, args.max_prompt_length,
+                                           args.prompt_truncation).dataset
+        self.column_names = tuple(prepared.extra_columns)
+        return prepared.dataset, eval_dataset, LeftPaddingCollator(tokenizer, self.column_names)
+
+    def _setup_rewards(self, reward_model, reward_processing_classes, eval_reward, eval_dataset) -> None:
+        """Models (the policy's tokenizer or their own), functions, or a weighted list (trl_ext/rewards/); the score
+        conditioning; an optional gold scorer for evaluation only (never trained on)."""
+        args, tokenizer = self.args, self.processing_class
+        self.reward_model = reward_model
+        self.reward_scorer = RewardScorer(reward_model, tokenizer, args.reward_weights, reward_processing_classes)
+        self.reward_normalizer = RewardNormalizer(args.reward_norm, args.reward_norm_mean, args.reward_norm_std,
+                                                  args.reward_clip)
+        if eval_reward is not None and eval_dataset is None:
+            raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
+        self.eval_reward = eval_reward
+        self.eval_scorer = RewardScorer(eval_reward, tokenizer) if eval_reward is not None else None
+
+    def _setup_value_model(self, value_model, policy, peft_config):
+        """The critic, built before PEFT touches the policy (value_model_init="policy" copies the plain backbone)."""
+        if self.shared is not None:
+            return self.shared.value_model  # the critic adapter + value head
+        args = self.args
+        critic_source = self._reward_model_for_critic() if args.value_model_init == "reward_model" else None
+        value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, policy, critic_source)
+        # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
+        return lora_for_quantized_value_model(value_model, peft_config)
+
+    def _setup_policy(self, model, ref_model, peft_config) -> None:
+        """The policy (with its PEFT adapter) and the reference: the given model, the policy with its adapter
+        disabled (peft), or a frozen copy."""
+        args = self.args
+        self.policy_model = model
+        if peft_config is not None:
+            if not is_peft_available():
+                raise ImportError("You passed `peft_config` but `peft` is not installed: `pip install peft`.")
+            if isinstance(model, PeftModel):
+                raise ValueError("You passed a PeftModel together with a `peft_config`: merge and unload the existing "
+                                 "adapter first, or pass the PeftModel without `peft_config`.")
+            self.policy_model = get_peft_model(model, peft_config)
+        self.is_peft_model = is_peft_available() and isinstance(self.policy_model, PeftModel)
+        if is_quantized(self.policy_model) and not self.is_peft_model:
+            raise ValueError("The policy is loaded in 4-bit/8-bit and has no adapter, so PPO could train only its "
+                             "unquantized embeddings and norms: pass a peft_config (e.g. LoraConfig(r=16, "
+                             "target_modules='all-linear')), or use trl_ext.models.build_shared_base.")
+        self.model_adapter_name = args.model_adapter_name
+        self.ref_adapter_name = args.ref_adapter_name
+        if ref_model is not None:
+            self.ref_model = ref_model
+        elif self.is_peft_model:
+            self.ref_model = None  # the policy with its adapter disabled
+        else:
+            self.ref_model = reference_copy(self.policy_model)  # (TRL's create_reference_model; ZeRO-3 aware)
+
+    def _setup_batch_sizes(self, optimizers) -> None:
+        """TRL's batch definitions per process, and the optimizer and scheduler given (if any)."""
+        args = self.args
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = None
+        if self.optimizer is not None and args.critic_learning_rate is not None:
+            raise ValueError("critic_learning_rate is set but you passed your own optimizer: give the value model's "
+                             "parameters their learning rate in your optimizer's param groups, or drop the setting.")
+        if args.total_episodes is None:
+            args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
+        # One rollout batch per process = per_device_train_batch_size x gradient_accumulation_steps prompts; it splits
+        # into num_mini_batches minibatches of micro-batches.
+        args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
+        args.local_mini_batch_size = _exact_div(args.local_batch_size, args.num_mini_batches,
+                                                "per-process batch (per_device_train_batch_size x "
+                                                "gradient_accumulation_steps) must split into num_mini_batches")
+
+    def _setup_accelerator(self) -> None:
+        """The Accelerator (one optimizer step per minibatch, the mixed precision), the sizes over all processes,
+        β, this process's seed, and the backend (the engine and the model layout, read once)."""
+        args = self.args
+        # TRL's micro-batch rule: per_device_train_batch_size rows at a time, the last micro-batch of a minibatch
+        # possibly smaller (a minibatch smaller than per_device_train_batch_size is one micro-batch)
+        micro_batches_per_minibatch = math.ceil(args.local_mini_batch_size / args.per_device_train_batch_size)
+        # One optimizer step per minibatch: accumulate over its micro-batches, never sync at the dataloader's end
+        # (TRL accumulated over gradient_accumulation_steps micro-batches, straddling minibatches).
+        self.accelerator = accelerator = Accelerator(
+            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=micro_batches_per_minibatch,
+                                                                    sync_with_dataloader=False),
+            mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
+            cpu=args.use_cpu,
+        )
+        args.world_size = accelerator.num_processes
+        args.micro_batch_size = args.per_device_train_batch_size * args.world_size
+        args.batch_size = args.local_batch_size * args.world_size
+        args.mini_batch_size = args.local_mini_batch_size * args.world_size
+        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+        # β: fixed, or adapted after each rollout batch (see trl_ext/core/kl_control.py)
+        self.kl_ctl = make_kl_controller(args.kl_controller, args.kl_coef, args.kl_target, args.kl_horizon)
+        if args.kl_controller == "adaptive" and args.kl_horizon < args.batch_size:
+            raise ValueError(f"kl_horizon={args.kl_horizon} is smaller than one rollout batch ({args.batch_size}); "
+                             "the controller would move β by more than 20% per batch. Use a horizon of at least "
+                             "the batch size (typical: 10000).")
+        self.local_seed = process_seed(args.seed, accelerator.process_index)
+        if args.num_sample_generations > 0:
+            self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
+        self.backend = Backend(accelerator, self.shared, args.max_grad_norm)
+
+    def _setup_allocator(self) -> bool:
+        """cpu_reuse_freed_memory: glibc's malloc keeps freed blocks up to the largest trained parameter's size
+        (trl_ext/trainer/allocator.py); whether it does now."""
+        setting = self.args.cpu_reuse_freed_memory
+        if setting is False:
+            return False
+        if setting is None and (self.accelerator.device.type != "cpu" or allocator_chosen_by_user()):
+            return False  # not on CPU, or the environment already chose the allocator's behaviour
+        return keep_freed_memory(largest_trained_block(self.model)) > 0
+
+    def _frozen_scorer_models(self) -> list[torch.nn.Module]:
+        models = list(self.reward_scorer.models.values())
+        if self.eval_scorer is not None:
+            models += list(self.eval_scorer.models.values())
+        return models
+
+    def _setup_models(self) -> None:
+        """Dropout off in every model, gradient checkpointing as configured, policy+value as one trained module, the
+        optimizer and scheduler."""
+        args = self.args
+        for module in [self.policy_model, self.ref_model, self.value_model] + self._frozen_scorer_models():
+            if isinstance(module, torch.nn.Module):
+                disable_dropout(module)  # nn.Dropout modules and dropout rates held as numbers
+                # bitsandbytes on AVX512-BF16 CPUs: no in-place repacking of 4-bit weights (it breaks LoRA gradients)
+                disable_bnb_cpu_repack(module)
+        if self.shared is not None:
+            self.model = self.shared
+        else:
+            self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
+        if args.gradient_checkpointing:
+            # on the policy and the critic (one base for both when shared); non-reentrant, as peft needs
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            if self.is_peft_model:
+                self.policy_model.enable_input_require_grads()
+        self.model.config = self.policy_model.config
+        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
+
+    def _setup_callbacks_and_state(self, callbacks) -> None:
+        """Alarms first (they add alarm/<name> keys to the logs the others see); report_to adds TensorBoard/trackio/
+        wandb; every run writes output_dir/metrics.jsonl; the progress bar is PPOProgress (or printed logs with
+        disable_tqdm)."""
+        args = self.args
+        callbacks = list(callbacks or [])
+        alarms = [cb for cb in callbacks if isinstance(cb, AlarmCallback)]
+        if not alarms and args.alarms:
+            alarms = [AlarmCallback(args.alarm_thresholds)]
+        callbacks = [cb for cb in callbacks if not isinstance(cb, AlarmCallback)]
+        run_folder = [] if any(isinstance(cb, MetricsFileCallback) for cb in callbacks) else [MetricsFileCallback()]
+        self.callbacks = (DEFAULT_CALLBACKS + alarms + get_reporting_integration_callbacks(args.report_to)
+                          + callbacks + run_folder)
+        self.callback_handler = CallbackHandler(self.callbacks, self.model, self.processing_class, self.optimizer,
+                                                self.lr_scheduler)
+        if args.disable_tqdm:
+            self.add_callback(PrinterCallback)
+        self.control = TrainerControl()
+        self.state = OnlineTrainerState(
+            is_local_process_zero=self.is_local_process_zero(),
+            is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
+                                if isinstance(cb, ExportableState)],
+        )
+
+    def _setup_trainer_internals(self) -> None:
+        """The attributes `transformers.Trainer`'s methods that trl_ext calls read (save_model, the optimizer/RNG
+        checkpoint helpers, create_model_card, init_hf_repo), as of transformers 5.18-5.24: `Trainer.__init__` is
+        never run, so they are set here, in one place."""
+        args = self.args
+        self.current_flos = 0
+        self.hp_search_backend = None
+        self.is_deepspeed_enabled, self.is_fsdp_enabled = self.backend.deepspeed, self.backend.fsdp
+        self.is_distributed_loading_by_transformers = False  # read by Trainer._save on non-zero ranks
+        self.is_fsdp_xla_v1_enabled = False  # read by Trainer._load_optimizer_and_scheduler
+        self.hub_model_id = None
+        if args.push_to_hub:
+            self.init_hf_repo()
+        if args.should_save:
+            os.makedirs(args.output_dir, exist_ok=True)
+
+    def _setup_dataloaders(self, train_dataset, eval_dataset, data_collator) -> None:
+        """The rollout dataloader (one seeded permutation per data epoch, shared by all processes, each taking its
+        slice) and each process's share of eval_dataset."""
+        args, accelerator = self.args, self.accelerator
+        self.batch_sampler = RolloutBatchSampler(self.train_dataset_len, args.local_batch_size,
+                                                 accelerator.num_processes, accelerator.process_index, args.seed)
+        # (its own generator: creating the iterator must not draw from the global RNG that sampling uses)
+        self.dataloader = DataLoader(train_dataset, batch_sampler=self.batch_sampler, collate_fn=data_collator,
+                                     generator=torch.Generator().manual_seed(args.seed))
+        self.eval_dataloader = None
+        if eval_dataset is not None:
+            # each process evaluates its own share of the prompts, in order; its own generator so that iterating
+            # it never draws from the training RNG
+            shard = torch.utils.data.Subset(eval_dataset, range(accelerator.process_index, len(eval_dataset),
+                                                                accelerator.num_processes))
+            if len(shard) == 0:
+                raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts, fewer than the "
+                                 f"{accelerator.num_processes} processes; add prompts.")
+            if self.backend.params_sharded and len(eval_dataset) % accelerator.num_processes:
+                raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts for {accelerator.num_processes} "
+                                 "processes: with sharded parameters (ZeRO-3, FSDP) every process must run the same "
+                                 "forward passes, so use a multiple of the process count (drop or add prompts).")
+            self.eval_dataloader = DataLoader(shard, batch_size=args.per_device_eval_batch_size,
+                                              collate_fn=data_collator, generator=torch.Generator().manual_seed(0))
+
+    def _prepare_models(self) -> None:
+        """`accelerate.prepare` of the trained module and its optimizer, through the backend."""
+        self.backend.prepare(self.unwrapped, self.optimizer, self.args)
+        self.model, self.optimizer = self.backend.model, self.backend.optimizer
+        self.group_roles = self.backend.group_roles
+
+    def _place_frozen_models(self) -> None:
+        """The reference and the reward models on the training device (DeepSpeed: wrapped for inference); then
+        which model acts as the reference (`Reference`)."""
+        for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
+            for name, module in scorer.models.items():
+                placed = self.backend.place_frozen(module)
+                if placed is not module:
+                    scorer.replace_model(name, placed)
+        if self.ref_model is not None:
+            self.ref_model = self.backend.place_frozen(self.ref_model)
+        self.reference = Reference(self.ref_model, self.shared, self.is_peft_model, self.ref_adapter_name,
+                                   self.model_adapter_name, self.args.temperature)
+
+    def _setup_value_trunk(self) -> None:
+        """The critic's frozen lower layers run once per rollout, not again in each minibatch (`FrozenTrunk`); not
+        with a shared base (one backbone for both roles) or under DeepSpeed/FSDP (their engines own the layers).
+        Where the reference holds those same weights (a critic built from the policy's checkpoint, the reference the
+        policy with its adapter off or a copy), the reference pass computes their output and they never run."""
+        self.trunk_from_reference = None  # the reference's layer whose output is the critic's trunk output
+        if self.shared is not None or self.backend.deepspeed or self.backend.fsdp:
+            return
+        self.unwrapped.trunk = trunk = FrozenTrunk.of(self.unwrapped.value_model)
+        reference = self.ref_model if self.ref_model is not None else self.unwrapped.policy
+        if trunk is None or self.ref_adapter_name or not trunk.same_weights_as(reference):
+            return
+        layer = trunk.reference_layer(reference)
+        # the same numbers on the reference's real path (its adapter disabled, its precision) or not at all
+        inputs, responses = probe_batch(self.policy_model.config.vocab_size, self.accelerator.device)
+        with torch.no_grad(), self.accelerator.autocast():
+            with trunk.capture(layer) as captured:
+                self.reference.logprobs(self.unwrapped.policy, inputs, responses)
+            own = trunk.hidden_states(inputs)
+        if len(captured) == 1 and torch.allclose(captured[0].float(), own.float(), atol=1e-5, rtol=1e-4):
+            self.trunk_from_reference = layer
+
+    def _setup_vllm(self):
+        """The colocated vLLM engine of `use_vllm` (trl_ext/trainer/sampling.py)."""
+        whole_policy = self.shared is None and not self.backend.params_sharded
+        return colocated_vllm(self.args, self.unwrapped.policy, self.processing_class, self.sampling,
+                              self.accelerator.device, whole_policy, self.local_seed)
+
+    def _setup_phases(self) -> None:
+        """The phases of an iteration, each given only what it uses: the sampler (every draw of responses), the
+        rollout (steps 1-7), the update (step 8) and the evaluator; `phases` announces them (progress, benchmarks)."""
+        args = self.args
+        self.phases = Phases()
+        self.sampler = ResponseSampler(self.backend, self.reference, self.sampling, self.processing_class.pad_token_id,
+                                       args.local_rollout_forward_batch_size, args.ds3_gather_for_generation,
+                                       self.local_seed, self.vllm)
+        self.rollout_phase = RolloutPhase(args, self.backend, self.sampler, self.reference, self.reward_scorer,
+                                          self.reward_normalizer, self.stop_token_id, self.phases,
+                                          self.trunk_from_reference)
+        self.update_phase = PPOUpdate(args, self.backend)
+        self.evaluator = Evaluator(args, self.backend, self.sampler, self.reference, self.reward_scorer,
+                                   self.eval_scorer, self.processing_class, self.eval_dataloader)
+
+    # ------------------------------------------------------------------------------------------------ helpers
+    @staticmethod
+    def _check_shared_base(args: PPOConfig, ref_model, value_model, peft_config) -> None:
+        if peft_config is not None:
+            raise ValueError("A shared-base model already carries its adapters: pass peft_config=None (give the "
+                             "LoraConfigs to build_shared_base).")
+        if ref_model is not None:
+            raise ValueError("With a shared-base model the reference is the base with its adapters disabled: pass "
+                             "ref_model=None.")
+        if value_model is not None or args.value_model_init != "given":
+            raise ValueError("With a shared-base model the critic is its 'critic' adapter and value head: pass "
+                             "value_model=None and leave value_model_init at 'given'.")
+        if args.ref_adapter_name:
+            raise ValueError(f"ref_adapter_name={args.ref_adapter_name!r} is not used with a shared-base model (the "
+                             "reference is the base with adapters disabled): unset it.")
+
+    def _reward_model_for_critic(self):
+        """The reward model value_model_init="reward_model" copies: the one reward model, which must read the
+        policy's token ids (the critic reads them through its embedding table)."""
+        models = self.reward_scorer.models
+        if not models:
+            raise ValueError("value_model_init='reward_model' needs a reward *model*; the rewards are functions. Use "
+                             "value_model_init='policy' or pass a value_model.")
+        if len(models) != 1:
+            raise ValueError(f"value_model_init='reward_model' copies the reward model, but the rewards hold "
+                             f"{len(models)} models ({list(models)}): pass a value_model (e.g. a copy of the one to "
+                             "start from), or use value_model_init='policy'.")
+        (name, reward_model), = models.items()
+        if not has_score_head(reward_model):
+            raise ValueError(f"value_model_init='reward_model' copies {name!r}, but it has no `score` head (a "
+                             "module that scores whole rows): a critic needs a value at every token. Use "
+                             "value_model_init='policy' or pass a value_model.")
+        own = self.reward_scorer.tokenizer_of(name)
+        if own is not None and own.get_vocab() != self.processing_class.get_vocab():
+            raise ValueError(f"value_model_init='reward_model' copies {name!r}, which has its own tokenizer with "
+                             "another vocabulary: the critic reads the policy's token ids, which mean other tokens in "
+                             "its embedding table. Use value_model_init='policy', or pass a value_model that shares "
+                             "the policy's tokenizer.")
+        return reward_model
+
+    def create_optimizer(self, model=None):
+        """Trainer's optimizer, each of its parameter groups split into the policy's and the value model's (tagged
+        "role"; the value groups at `critic_learning_rate` if set): critic warmup under DeepSpeed freezes the policy's
+        groups (trl_ext/trainer/backend.py)."""
+        optimizer = super().create_optimizer(model)
+        critic_lr = self.args.critic_learning_rate
+        value_ids = {id(p) for p in self.accelerator.unwrap_model(self.model).value_parameters()}
+        groups = []
+        for group in optimizer.param_groups:
+            settings = {k: v for k, v in group.items() if k != "params"}
+            for role in ("policy", "value"):
+                params = [p for p in group["params"] if (id(p) in value_ids) == (role == "value")]
+                if params:
+                    lr = critic_lr if role == "value" and critic_lr is not None else settings["lr"]
+                    groups.append({**settings, "params": params, "lr": lr, "role": role})
+        optimizer.param_groups[:] = groups
+        return optimizer
+
+    @property
+    def unwrapped(self) -> PolicyAndValueWrapper:
+        """The policy+value wrapper without its DDP/DeepSpeed shell."""
+        return self.accelerator.unwrap_model(self.model)
+
+    def null_ref_context(self):
+        """The policy acts as the reference: its adapter disabled (peft), or the reference adapter selected."""
+        return self.reference.context(self.unwrapped.policy)
+
+    def write_samples(self, rollout: Rollout, max_rows: int = 4) -> None:
+        """Append a few of this rollout's prompts, completions and scores to output_dir/samples.jsonl."""
+        if not self.is_world_process_zero():
+            return
+        tok, n = self.processing_class, min(max_rows, len(rollout))
+        records = [{"step": self.state.global_step,
+                    "prompt": tok.decode(rollout.queries[i][rollout.query_mask[i]], skip_special_tokens=True),
+                    "completion": tok.decode(rollout.responses[i][rollout.response_mask[i]], skip_special_tokens=True),
+                    "score": rollout.scores[i].item()} for i in range(n)]
+        append_jsonl(os.path.join(self.args.output_dir, SAMPLES_FILE), records)
+
+    # ------------------------------------------------------------------------------------------------ the phases
+    def rollout(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None = None) -> Rollout:
+        """Steps 1-7 of a PPO iteration on a batch of left-padded prompts: (B, Q) ids and (B, Q) bool mask, rewards
+        shaped with the current β (trl_ext/trainer/rollout.py). extra_columns: other dataset columns of these
+        prompts (lists), passed to reward functions."""
+        return self.rollout_phase(queries, query_mask, extra_columns, kl_coef=self.kl_ctl.value,
+                                  step=self.state.global_step, trainer_state=self.state)
+
+    def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> UpdateStats:
+        """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches, clipped policy and value losses,
+        each role's gradients clipped to `max_grad_norm` (trl_ext/trainer/update.py). critic_only (critic warmup):
+        only the value model learns."""
+        with self.phases("critic_warmup" if critic_only else "update"):
+            return self.update_phase(rollout, critic_only, self.vf_coef)
+
+    @property
+    def vf_coef(self) -> float:
+        """The value loss's weight at this iteration: vf_coef, or linear from vf_coef to vf_coef_end over the run."""
+        return vf_coef_at(self.args, self.state.global_step)
+
+    # ------------------------------------------------------------------------------------------------ logging
+    def metrics(self, rollout: Rollout, stats: UpdateStats, kl_coef: float, warmup: bool) -> dict:
+        """Step 9: TRL's metric keys and trl_ext's (trl_ext/monitoring/diagnostics.py), over real tokens and all
+        processes.
+        kl_coef: the β this rollout's rewards were shaped with."""
+        gather = self.backend.gather
+        m = rollout_metrics(rollout, kl_coef, self.stop_token_id, gather)
+        if rollout.source_scores is not None:
+            m.update(source_metrics(rollout.source_scores, self.reward_scorer.names, gather))
+        m.update(update_metrics(stats, self.backend.sum_over_processes, gather))
+        m["val/warmup"] = float(warmup)
+        m.update(self.prompt_counts)
+        m["lr"] = self.lr_scheduler.get_last_lr()[0]
+        if self.args.vf_coef_end is not None:
+            m["val/vf_coef"] = self.vf_coef  # the weight this update's value loss had
+        m["episode"] = self.state.episode
+        return m
+
+    # ------------------------------------------------------------------------------------------------ train
+    def _init_state(self):
+        args = self.args
+        self.state.global_step = 0
+        self.state.episode = 0
+        self.state.max_steps = args.num_total_batches
+        self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
+        for name in ("logging_steps", "eval_steps", "save_steps"):
+            value = getattr(args, name)
+            if value is not None:
+                setattr(self.state, name, math.ceil(self.state.max_steps * value) if value < 1 else value)
+
+    def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
+        """Run PPO. `resume_from_checkpoint`: a checkpoint folder, or True for the latest in `output_dir`."""
+        args, accelerator = self.args, self.accelerator
+        device = accelerator.device
+        self.model.train()
+        self._init_state()
+        if resume_from_checkpoint:
+            self._resume(resume_from_checkpoint)
+        self.batch_sampler.start_batch = self.state.global_step  # iteration k uses global batch k
+        batches = iter(self.dataloader)
+        self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
+        if self.is_deepspeed_enabled:
+            self.deepspeed = self.model
+            self.model_wrapped = self.model
+        start_time, start_episode = time.time(), self.state.episode
+        progress = PPOProgress(args.num_total_batches, initial=self.state.global_step,
+                               disable=args.disable_tqdm or not self.is_world_process_zero())
+        self.phases.add(progress)
+
+        for update in range(self.state.global_step + 1, args.num_total_batches + 1):
+            self.state.episode += args.batch_size
+            batch = next(batches)
+            if "attention_mask" not in batch:
+                raise ValueError("The data collator must return `attention_mask` with `input_ids` (PPO needs the "
+                                 "real prompt mask; pad ids are not used to guess it).")
+            warmup = self.state.global_step < args.critic_warmup_steps
+            kl_coef = self.kl_ctl.value
+            # 1-7. rollout: generate, score, shape rewards with the current β, advantages
+            rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                   dataset_columns(batch))
+            # 8. PPO epochs (value model only during critic warmup)
+            stats = self.ppo_update(rollout, critic_only=warmup)
+            # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
+            metrics = self.metrics(rollout, stats, kl_coef, warmup)
+            metrics["eps"] = (self.state.episode - start_episode) / max(time.time() - start_time, 1e-9)  # episodes/s
+            self.kl_ctl.update(mean_sequence_kl(rollout, self.backend.gather), args.batch_size)
+            self.state.epoch = self.state.episode / self.train_dataset_len
+            self.state.global_step += 1
+            if self._should_evaluate():
+                metrics.update(self.evaluate_policy())
+            self.log(metrics)
+            progress.step(metrics)
+
+            self.lr_scheduler.step()
+            self.control = self.callback_handler.on_step_end(args, self.state, self.control)
+            if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
+                self.write_samples(rollout)
+                self.generate_completions(sampling=True)
+            if self.control.should_save:
+                self._save_checkpoint(self.model, trial=None)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
+            if self.control.should_training_stop:
+                break
+
+        progress.close()
+        self.phases.listeners.remove(progress)
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(args, self.state, self.control)
+
+    # ------------------------------------------------------------------------------------------------ saving
+    def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
+        """Save the policy (its adapter, with peft) for inference, under DDP, DeepSpeed or FSDP2 (every process
+        calls this; TRL 1.12 crashed under DDP). A shared base saves `policy/` and `critic/` (peft adapters) and
+        `value_head.safetensors`."""
+        output_dir = output_dir or self.args.output_dir
+        if self.shared is not None:
+            if self.accelerator.is_main_process:
+                self.shared.save_pretrained(output_dir)
+                self.processing_class.save_pretrained(output_dir)
+            return
+        self._save_roles(output_dir, with_value_model=False)
+        if self.args.push_to_hub and not _internal_call:
+            self.push_to_hub(commit_message="Model save")
+
+    def _save_roles(self, folder: str, with_value_model: bool) -> None:
+        """The policy into `folder` (weights, config, tokenizer, training args: `Trainer._save`) and, if asked, the
+        value model into `folder/value_model`. Under ZeRO-3 and FSDP2 the whole weights are gathered first (a
+        collective); elsewhere each process holds them."""
+        policy_state, value_state = self.backend.role_state_dicts()  # a collective under ZeRO-3 and FSDP2
+        if not self.accelerator.is_main_process:
+            return
+        wrapped, self.model = self.model, self.unwrapped.policy
+        try:
+            Trainer._save(self, folder, state_dict=policy_state)
+        finally:
+            self.model = wrapped
+        if with_value_model:
+            self.unwrapped.value_model.save_pretrained(os.path.join(folder, VALUE_MODEL_DIR), state_dict=value_state)
+
+    def _run_settings(self) -> dict:
+        return run_settings(self.args, self.unwrapped, self.train_dataset_len, self.is_peft_model,
+                            self.shared is not None)
+
+    def _should_evaluate(self) -> bool:
+        steps = self.state.eval_steps or self.args.logging_steps
+        return (self.eval_dataloader is not None and self.args.eval_strategy != "no"
+                and (self.state.global_step % max(int(steps), 1) == 0
+                     or self.state.global_step == self.args.num_total_batches))
+
+    def _write_model_card(self) -> None:
+        """`output_dir/README.md`, the model card TRL's trainers write with every checkpoint (TRL's
+        `create_model_card`: base model, tags, how to cite PPO), named after the output folder or `hub_model_id`."""
+        args = self.args
+        model_name = Path(args.output_dir).name if args.hub_model_id is None else args.hub_model_id.split("/")[-1]
+        wrapped, self.model = self.model, self.unwrapped  # TRL reads self.model.config, which DDP's shell hides
+        try:
+            self.create_model_card(model_name=model_name)
+        finally:
+            self.model = wrapped
+
+    def _save_checkpoint(self, model, trial):
+        """Write `checkpoint-N` atomically (trl_ext/trainer/checkpoint.py: into `checkpoint-N.partial`, then one
+        rename), and the model card (`output_dir/README.md`), as TRL does."""
+        main = self.accelerator.is_main_process
+        if main:
+            self._write_model_card()
+        with staged(self.args.output_dir, self.state.global_step, self.backend, self.args.save_total_limit) as folder:
+            if self.shared is not None:  # its policy and critic adapters and value head
+                self.save_model(folder, _internal_call=True)
+            else:  # the policy (its adapter, with peft) and the value model
+                self._save_roles(folder, with_value_model=True)
+            # the optimizer and scheduler (DeepSpeed: its engine checkpoint, with the weights; FSDP2: its own files)
+            self._save_optimizer_and_scheduler(folder)
+            self._save_rng_state(folder)
+            if main:
+                callbacks = self.callback_handler.callbacks + [self.control]
+                for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
+                    self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
+                self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
+                write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings())
+
+    def _resume(self, checkpoint: str | bool) -> None:
+        """Restore everything a PPO run carries from a checkpoint written by `_save_checkpoint`."""
+        checkpoint = find_checkpoint(checkpoint, self.args.output_dir)
+        saved = read_state(checkpoint)
+        check_compatible(saved["settings"], self._run_settings(), checkpoint)
+        if not self.backend.load_engine_checkpoint(checkpoint):
+            load_trained_weights(self.unwrapped, checkpoint, self.is_peft_model, self.shared)
+        self._load_optimizer_and_scheduler(checkpoint)
+        self._load_rng_state(checkpoint)
+        self.kl_ctl.load_state_dict(saved["kl_controller"])
+        self.reward_normalizer.load_state_dict(saved["reward_normalizer"])
+        restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        for name in ("global_step", "episode", "epoch", "log_history", "total_flos"):
+            setattr(self.state, name, getattr(restored, name))
+        for cb in self.callback_handler.callbacks:  # e.g. the alarms' episode state
+            saved_state = restored.stateful_callbacks.get(cb.__class__.__name__)
+            if isinstance(cb, ExportableState) and isinstance(saved_state, dict) and hasattr(cb, "load_state"):
+                cb.load_state(saved_state)
+
+    # ------------------------------------------------------------------------------------------------ evaluation
+    @property
+    def alarms_raised(self) -> list:
+        """Every `trl_ext.monitoring.alarms.Alarm` the run has raised so far (empty with `alarms=False`)."""
+        return [a for cb in self.callback_handler.callbacks if isinstance(cb, AlarmCallback) for a in cb.monitor.raised]
+
+    def evaluate_policy(self) -> dict[str, float]:
+        """Held-out evaluation on `eval_dataset` (trl_ext/trainer/evaluation.py): completions of the policy and of
+        the reference for each prompt, scored by the training reward and, if given, by `eval_reward` (a gold scorer
+        the policy never trains on).
+
+        eval/score, eval/score_ref: mean scores; eval/win_rate_vs_ref: share of prompts where the policy's completion
+        scores higher than the reference's (ties count half); eval/kl: mean per-sequence KL(π‖π_ref) (k1) of the
+        policy's completions; eval/gold_* the same with `eval_reward`."""
+        with self.phases("evaluation"):
+            return self.evaluator.evaluate(self.state.global_step, self.state)
+
+    def paired_completions(self, dataset, seed: int, batch_size: int | None = None) -> list[dict]:
+        """For each prompt of `dataset` (any prompt dataset the trainer takes: a `prompt` column of text or chat
+        messages, or `input_ids`), one completion of the reference ("before" training) and one of the policy, drawn
+        with the same random numbers from an RNG stream of their own (`seed`; the training RNG is untouched):
+        identical models give identical completions. Runs on this process, in dataset order.
+
+        Returns one dict per prompt: "query" (the rendered prompt, special tokens left out), "reference" and "policy"
+        (the completions as the reward functions get them)."""
+        return self.evaluator.paired_completions(dataset, seed, batch_size or self.args.per_device_eval_batch_size,
+                                                 self.state.global_step)
+
+    def generate_completions(self, sampling: bool = False):
+        """Print a few completions of `eval_dataset` prompts with their scores (the first batch only if `sampling`).
+        Drawn from an RNG stream of their own, so calling this never changes the training run."""
+        if self.eval_dataloader is not None:
+            self.evaluator.print_completions(self.state.global_step, self.state, first_batch_only=sampling)

@@ -1,0 +1,221 @@
+"""Steps 1-7 of a PPO iteration (`RolloutPhase`) and what they collect (`Rollout`, named tensors).
+
+    1. generate       sample from softmax(logits / temperature), nothing else, in the loss's precision
+    2. mask           the response mask from the stop position (the stop token is real; nothing after it is)
+    3. reference      reference log-probs
+    4. π_old, values  behaviour log-probs and values: the same forward pass (module, masks, precision) the loss uses
+    5. scores         the rewards' scores of the response cut after its stop token, conditioned (normalised, clipped,
+                      the missing-stop penalty)
+    6. rewards        −β·KL on every real token, the score on the last real token (`core.shape_rewards`)
+    7. advantages     GAE advantages and returns, the advantages whitened over real tokens
+
+Shapes: B = rollouts in the batch, Q = query length (left-padded), T = response length (right-padded).
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager
+from dataclasses import dataclass, fields
+
+import torch
+
+from ..core import (
+    compute_gae,
+    length_adaptive_lam,
+    masked_whiten,
+    sampler_correction_weights,
+    shape_rewards,
+    token_logprobs,
+)
+from ..models import LOGPROB_CHUNK, sequence_inputs
+
+
+@dataclass
+class Rollout:
+    queries: torch.Tensor  # (B, Q) prompt ids, left-padded
+    query_mask: torch.Tensor  # (B, Q) bool, True = real prompt token (the collator's attention mask)
+    responses: torch.Tensor  # (B, T) sampled ids; positions after the stop token hold padding
+    response_mask: torch.Tensor  # (B, T) bool, True = real response token (up to and including the stop token)
+    logprobs: torch.Tensor  # (B, T) log π_θ_old(token), from the same forward pass the loss uses
+    ref_logprobs: torch.Tensor  # (B, T) log π_ref(token)
+    values: torch.Tensor  # (B, T) V(state before each token); 0 outside the mask
+    scores: torch.Tensor  # (B,) reward-model / reward-function score (after missing_eos_penalty)
+    kl: torch.Tensor  # (B, T) per-token KL estimate used in the penalty; 0 outside the mask
+    rewards: torch.Tensor  # (B, T) −β·kl on every real token + score on the last real token
+    advantages: torch.Tensor  # (B, T) GAE advantages, whitened over real tokens (what the loss uses)
+    returns: torch.Tensor  # (B, T) raw GAE advantages + values (the value target)
+    source_scores: torch.Tensor | None = None  # (B, S) raw score of each reward source (PPOTrainer.reward_scorer.names)
+    sampler_logprobs: torch.Tensor | None = None  # (B, T) the sampler's own log-probs of the tokens; 0 outside the mask
+    sampler_weights: torch.Tensor | None = None  # (B, T) π_old / π_sampler, truncated or masked (the policy loss's
+    # per-token weights when vllm_importance_sampling_correction is on; core.sampler_correction_weights); 0 outside
+    advantage_lam: torch.Tensor | None = None  # (B,) the policy's GAE λ of each rollout, with length_adaptive_alpha
+    trunk_hidden: torch.Tensor | None = None  # (B, Q+T, H) the output of the critic's frozen trunk, its lower
+    # layers (models.FrozenTrunk): the update runs only the layers above it
+
+    def __len__(self) -> int:
+        return self.queries.shape[0]
+
+    def __getitem__(self, idx) -> Rollout:
+        """Select rollouts (rows) by index tensor or slice: a minibatch."""
+        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
+                          for f in fields(self)})
+
+    def to(self, device) -> Rollout:
+        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
+                          for f in fields(self)})
+
+
+def check_left_padded(query_mask: torch.Tensor) -> None:
+    """Prompts must be left-padded: in each row, once a real token appears, every later one is real."""
+    if (query_mask[:, 1:].long() < query_mask[:, :-1].long()).any():
+        raise ValueError(
+            "The prompts are right-padded (a padding position follows a real token). PPO generates after the last "
+            "prompt position, so prompts must be left-padded: set `tokenizer.padding_side = 'left'` (or make your "
+            "data_collator pad on the left)."
+        )
+
+
+@dataclass
+class _Scored:
+    """Steps 3-5 over every chunk of the batch, before the scores are conditioned."""
+    logprobs: torch.Tensor
+    ref_logprobs: torch.Tensor
+    values: torch.Tensor
+    scores: torch.Tensor
+    source_scores: torch.Tensor
+    trunk_hidden: torch.Tensor | None
+
+
+class RolloutPhase:
+    """Steps 1-7 on a batch of left-padded prompts. Holds what they use: the config, the backend (the trained module
+    and the processes), the sampler, the reference, the rewards and their normaliser, and the phase hooks.
+
+    `trunk_from_reference`: the reference's layer whose output is the critic's frozen trunk output (a critic built
+    from the policy's checkpoint), captured on the reference pass so the trunk never runs; None: the trunk runs."""
+
+    def __init__(self, args, backend, sampler, reference, reward_scorer, reward_normalizer, stop_token_id,
+                 phases, trunk_from_reference=None):
+        self.args, self.backend, self.sampler, self.reference = args, backend, sampler, reference
+        self.reward_scorer, self.reward_normalizer = reward_scorer, reward_normalizer
+        self.stop_token_id, self.phases, self.trunk_from_reference = stop_token_id, phases, trunk_from_reference
+
+    @torch.no_grad()
+    def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None, kl_coef: float,
+                 step: int, trainer_state=None) -> Rollout:
+        """(B, Q) ids and (B, Q) mask of iteration `step`'s prompts -> their Rollout, rewards shaped with β =
+        `kl_coef`. extra_columns: other dataset columns of these prompts (lists), passed to reward functions."""
+        query_mask = query_mask.bool()
+        check_left_padded(query_mask)
+        with self.backend.whole_weights():
+            with self.phases("generation"):  # 1-2
+                responses, response_mask, sampler_logprobs = self.sampler.rollout_responses(queries, query_mask, step)
+            scored = self._score(queries, query_mask, responses, response_mask, sampler_logprobs, extra_columns or {},
+                                 trainer_state)  # 3-5
+        scores = self._condition(scored.scores, responses, response_mask)  # 5
+        return self._advantages(queries, query_mask, responses, response_mask, sampler_logprobs, scored, scores,
+                                kl_coef)  # 6-7
+
+    @contextmanager
+    def _reference_trunk(self):
+        """Inside: the critic's trunk output as the reference pass computes it ([] unless `trunk_from_reference`)."""
+        if self.trunk_from_reference is None:
+            yield []
+        else:
+            with self.backend.unwrap().trunk.capture(self.trunk_from_reference) as captured:
+                yield captured
+
+    def _score(self, queries, query_mask, responses, response_mask, sampler_logprobs, extra_columns,
+               trainer_state) -> _Scored:
+        """Steps 3-5 in chunks of `local_rollout_forward_batch_size` rows."""
+        args, accelerator, model = self.args, self.backend.accelerator, self.backend.model
+        policy = self.backend.unwrap().policy
+        trunk = getattr(self.backend.unwrap(), "trunk", None)  # the critic's frozen trunk, its output kept
+        T, step = responses.shape[1], args.local_rollout_forward_batch_size
+        parts = {name: [] for name in ("logprobs", "ref_logprobs", "values", "scores", "source_scores", "trunk")}
+        for start in range(0, queries.shape[0], step):
+            s = slice(start, start + step)
+            inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
+            # 3. a reference holding the critic's frozen trunk computes its output on the way (trunk_from_reference)
+            with self.phases("reference"), accelerator.autocast(), self._reference_trunk() as captured:
+                parts["ref_logprobs"].append(self.reference.logprobs(policy, inputs, responses[s]))
+            # 4. only the last T + 1 positions' logits are computed; log-probs in chunks; the logits freed at once.
+            # rollout_logprobs="sampler": π_old is the sampler's own log-probs, and the values are computed alone.
+            with self.phases("policy_and_value"):
+                kept = {}
+                if trunk is not None:
+                    if not captured:
+                        with accelerator.autocast():
+                            captured.append(trunk.hidden_states(inputs))
+                    kept = {"trunk_hidden": captured[0]}
+                    parts["trunk"].append(captured[0])
+                if args.rollout_logprobs == "sampler":
+                    value = model(**inputs, role="value", **kept)
+                    parts["logprobs"].append(sampler_logprobs[s].to(value.device) * response_mask[s])
+                else:
+                    logits, value = model(**inputs, logits_to_keep=T + 1, **kept)
+                    parts["logprobs"].append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:],
+                                                            args.temperature, LOGPROB_CHUNK))
+                    del logits
+                parts["values"].append(value[:, -T - 1 : -1].float())
+            # 5. the scores of the response cut after its stop token
+            with self.phases("reward"), accelerator.autocast():
+                extra = {k: v[s] for k, v in extra_columns.items()}
+                combined, per_source = self.reward_scorer(queries[s], query_mask[s], responses[s], response_mask[s],
+                                                          extra, trainer_state=trainer_state)
+                parts["scores"].append(combined)
+                parts["source_scores"].append(torch.stack(list(per_source.values()), 1))
+        logprobs = torch.cat(parts["logprobs"])
+        return _Scored(logprobs=logprobs, ref_logprobs=torch.cat(parts["ref_logprobs"]),
+                       values=torch.cat(parts["values"]) * response_mask,
+                       scores=torch.cat(parts["scores"]).to(logprobs.device),
+                       source_scores=torch.cat(parts["source_scores"]).to(logprobs.device),
+                       trunk_hidden=torch.cat(parts["trunk"]) if trunk is not None else None)
+
+    def _condition(self, scores, responses, response_mask) -> torch.Tensor:
+        """Score conditioning: normalise (running statistics over all processes) and clip, then the stop penalty."""
+        args = self.args
+        if args.reward_norm == "running":
+            self.reward_normalizer.update(self.backend.accelerator.gather(scores))
+        scores = self.reward_normalizer.normalize(scores)
+        if args.missing_eos_penalty is not None:
+            stopped = ((responses == self.stop_token_id) & response_mask).any(dim=1)
+            scores = scores - args.missing_eos_penalty * (~stopped).float()
+        return scores
+
+    def _advantages(self, queries, query_mask, responses, response_mask, sampler_logprobs, scored: _Scored,
+                    scores, kl_coef) -> Rollout:
+        """Steps 6-7, and the sampler correction's weights."""
+        args, logprobs = self.args, scored.logprobs
+        # 6. rewards: −β·KL on every real token, the score on the last real token (see core.shape_rewards)
+        rewards, kl = shape_rewards(scores, logprobs, scored.ref_logprobs, response_mask, kl_coef, args.kl_estimator)
+        # whitening statistics over the real tokens of all processes: N processes act as one with the whole batch
+        over_processes = self.backend.sum_over_processes if self.backend.num_processes > 1 else None
+        if args.whiten_rewards:
+            rewards = masked_whiten(rewards, response_mask, shift_mean=False,
+                                    all_reduce_sum=over_processes) * response_mask
+        # 7. advantages and returns (GAE); the policy's λ and the value targets' λ may differ (lam_policy,
+        # lam_value, length_adaptive_alpha: docs/ppo-variants.md)
+        lam_policy = args.lam if args.lam_policy is None else args.lam_policy
+        if args.length_adaptive_alpha is not None:
+            lam_policy = length_adaptive_lam(response_mask, args.length_adaptive_alpha)
+        lam_value = args.lam if args.lam_value is None else args.lam_value
+        advantages, returns = compute_gae(rewards, scored.values, response_mask, args.gamma, lam_policy)
+        if isinstance(lam_policy, torch.Tensor) or lam_value != lam_policy:
+            returns = compute_gae(rewards, scored.values, response_mask, args.gamma, lam_value)[1]
+        advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
+        # the sampler against the trainer: here over every token, or (π_old the sampler's) in the update, where the
+        # first minibatch's forward is the trainer's at the rollout's weights (UpdateStats.sampler_rows)
+        sampler_logprobs = (None if args.rollout_logprobs == "sampler"
+                            else sampler_logprobs.to(logprobs.device) * response_mask)
+        sampler_weights = None
+        if args.vllm_importance_sampling_correction:  # π_old / π_sampler, truncated or masked (core.losses)
+            sampler_weights = sampler_correction_weights(
+                logprobs, sampler_logprobs, response_mask, args.vllm_importance_sampling_mode,
+                args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+        return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
+                       logprobs=logprobs, ref_logprobs=scored.ref_logprobs, values=scored.values, scores=scores,
+                       kl=kl, rewards=rewards, advantages=advantages, returns=returns,
+                       source_scores=scored.source_scores, sampler_logprobs=sampler_logprobs,
+                       sampler_weights=sampler_weights,
+                       advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None,
+                       trunk_hidden=scored.trunk_hidden)

