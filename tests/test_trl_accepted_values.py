@@ -100,10 +100,15 @@ def test_combinations_trl_resolves_silently_are_refused(fields, reason):
 
 
 def _fields_checked_in_validate() -> set[str]:
-    """Every `self.<name>` that PPOConfig._validate reads."""
-    tree = ast.parse(textwrap.dedent(inspect.getsource(PPOConfig._validate)))
-    return {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
-            and isinstance(node.value, ast.Name) and node.value.id == "self"}
+    """Every `self.<name>` that PPOConfig._validate reads, itself or through the check groups it calls."""
+    read, methods = set(), [PPOConfig._validate]
+    while methods:
+        tree = ast.parse(textwrap.dedent(inspect.getsource(methods.pop())))
+        names = {node.attr for node in ast.walk(tree) if isinstance(node, ast.Attribute)
+                 and isinstance(node.value, ast.Name) and node.value.id == "self"}
+        methods += [getattr(PPOConfig, n) for n in names if n.startswith("_check_") and n not in read]
+        read |= names
+    return read
 
 
 def test_every_check_on_a_trl_field_is_listed():

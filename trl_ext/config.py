@@ -30,6 +30,11 @@ def _bf16_available() -> bool:
     return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
 
 
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise ValueError(message)
+
+
 @dataclass
 class PPOConfig(PPOConfigBase):
     r"""
@@ -294,116 +299,139 @@ class PPOConfig(PPOConfigBase):
         super().__post_init__()
 
     def _validate(self):
-        def check(ok: bool, message: str):
-            if not ok:
-                raise ValueError(message)
+        """Every field's check, by group; each error names the value and the fix."""
+        for group in (self._check_choices, self._check_trl_update_fields, self._check_ppo_variants,
+                      self._check_trl_rollout_fields, self._check_kl_control_and_critic, self._check_vllm,
+                      self._check_rewards_and_alarms):
+            group()
 
-        check(self.cpu_reuse_freed_memory is not True or glibc() is not None,
-              "cpu_reuse_freed_memory=True sets glibc's malloc options, but this C library is not glibc: drop the "
-              "setting (or preload jemalloc/tcmalloc, which keep freed memory themselves).")
-        check(self.rollout_logprobs in ROLLOUT_LOGPROBS,
-              f"rollout_logprobs={self.rollout_logprobs!r} is not one of {ROLLOUT_LOGPROBS}; pick one of them.")
-        check(not (self.rollout_logprobs == "sampler" and self.vllm_importance_sampling_correction),
-              "rollout_logprobs='sampler' makes π_old the sampler's log-probs, so the importance weights "
-              "π_old / π_sampler of vllm_importance_sampling_correction=True are all 1: set "
-              "vllm_importance_sampling_correction=False, or rollout_logprobs='trainer' to keep the correction.")
-        check(self.kl_estimator in KL_ESTIMATORS,
-              f"kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}; pick one of them.")
-        check(self.stop_token is None or self.stop_token in STOP_TOKENS,
-              f"stop_token={self.stop_token!r} is not one of None, 'eos', 'none'; use stop_token_id=<id> for any "
-              "other token.")
-        check(not (self.stop_token is not None and self.stop_token_id is not None),
-              f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} are both set; set only one "
-              "(TRL refuses both too, except stop_token_id=0, which it then ignores).")
-        # TRL's own fields: TRL checks none of them. Every value it gives a meaning a run can want is accepted with
-        # that meaning (0 included where 0 means "off"); a refused value is one TRL turns into a run that cannot
-        # learn, diverges or crashes later, and the error says which (tests/test_trl_accepted_values.py lists them).
-        check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (0: no KL penalty): it is the weight of the "
-              "KL penalty, and TRL's negative weight pays the policy to move away from the reference.")
-        check(self.cliprange > 0, f"cliprange={self.cliprange} must be > 0 (typical: 0.2): TRL clips the ratio to "
-              "[1 - cliprange, 1 + cliprange], so at 0 no update moves the policy past the rollout's.")
-        check(self.cliprange_value > 0, f"cliprange_value={self.cliprange_value} must be > 0 (typical: 0.2): at 0 "
-              "TRL clips the values to the rollout's and the critic stops learning; for no value clipping use "
-              "vf_loss_type='mse'.")
-        check(0 <= self.gamma <= 1, f"gamma={self.gamma} must be in [0, 1] (TRL's PPO: 1.0): it discounts the "
-              "rewards of later tokens, and above 1 TRL's returns grow with the response length.")
-        check(0 <= self.lam <= 1, f"lam={self.lam} must be in [0, 1] (TRL: 0.95): GAE's λ weights the k-step "
-              "advantages by λ^k, which above 1 or below 0 no longer average.")
-        check(self.vf_coef >= 0, f"vf_coef={self.vf_coef} must be >= 0 (0: the policy's loss alone): a negative "
-              "weight makes TRL's loss reward the critic's error.")
+    def _check_choices(self) -> None:
+        """trl_ext's own choices: the allocator, where π_old comes from, the KL estimator, the stop token."""
+        _check(self.cpu_reuse_freed_memory is not True or glibc() is not None,
+               "cpu_reuse_freed_memory=True sets glibc's malloc options, but this C library is not glibc: drop the "
+               "setting (or preload jemalloc/tcmalloc, which keep freed memory themselves).")
+        _check(self.rollout_logprobs in ROLLOUT_LOGPROBS,
+               f"rollout_logprobs={self.rollout_logprobs!r} is not one of {ROLLOUT_LOGPROBS}; pick one of them.")
+        _check(not (self.rollout_logprobs == "sampler" and self.vllm_importance_sampling_correction),
+               "rollout_logprobs='sampler' makes π_old the sampler's log-probs, so the importance weights "
+               "π_old / π_sampler of vllm_importance_sampling_correction=True are all 1: set "
+               "vllm_importance_sampling_correction=False, or rollout_logprobs='trainer' to keep the correction.")
+        _check(self.kl_estimator in KL_ESTIMATORS,
+               f"kl_estimator={self.kl_estimator!r} is not one of {KL_ESTIMATORS}; pick one of them.")
+        _check(self.stop_token is None or self.stop_token in STOP_TOKENS,
+               f"stop_token={self.stop_token!r} is not one of None, 'eos', 'none'; use stop_token_id=<id> for any "
+               "other token.")
+        _check(not (self.stop_token is not None and self.stop_token_id is not None),
+               f"stop_token={self.stop_token!r} and stop_token_id={self.stop_token_id} are both set; set only one "
+               "(TRL refuses both too, except stop_token_id=0, which it then ignores).")
+
+    def _check_trl_update_fields(self) -> None:
+        """TRL's update fields. TRL checks none of its fields: every value it gives a meaning a run can want is
+        accepted with that meaning (0 included where 0 means "off"); a refused value is one TRL turns into a run that
+        cannot learn, diverges or crashes later, and the error says which (tests/test_trl_accepted_values.py lists
+        them)."""
+        _check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (0: no KL penalty): it is the weight of the "
+               "KL penalty, and TRL's negative weight pays the policy to move away from the reference.")
+        _check(self.cliprange > 0, f"cliprange={self.cliprange} must be > 0 (typical: 0.2): TRL clips the ratio to "
+               "[1 - cliprange, 1 + cliprange], so at 0 no update moves the policy past the rollout's.")
+        _check(self.cliprange_value > 0, f"cliprange_value={self.cliprange_value} must be > 0 (typical: 0.2): at 0 "
+               "TRL clips the values to the rollout's and the critic stops learning; for no value clipping use "
+               "vf_loss_type='mse'.")
+        _check(0 <= self.gamma <= 1, f"gamma={self.gamma} must be in [0, 1] (TRL's PPO: 1.0): it discounts the "
+               "rewards of later tokens, and above 1 TRL's returns grow with the response length.")
+        _check(0 <= self.lam <= 1, f"lam={self.lam} must be in [0, 1] (TRL: 0.95): GAE's λ weights the k-step "
+               "advantages by λ^k, which above 1 or below 0 no longer average.")
+        _check(self.vf_coef >= 0, f"vf_coef={self.vf_coef} must be >= 0 (0: the policy's loss alone): a negative "
+               "weight makes TRL's loss reward the critic's error.")
+
+    def _check_ppo_variants(self) -> None:
+        """The PPO variants (docs/ppo-variants.md): clip-higher, dual-clip, loss aggregation, λ, value losses."""
         for name in ("clip_ratio_low", "clip_ratio_high"):
             value = getattr(self, name)
-            check(value is None or value > 0, f"{name}={value} must be > 0 (DAPO: 0.2 low, 0.28 high), or None for "
-                  f"cliprange ({self.cliprange}).")
-        check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
-              f"clip_ratio_c={self.clip_ratio_c} must be > 1 (veRL: 3.0), or None for no dual clip.")
-        check(self.loss_agg_mode in LOSS_AGG_MODES,
-              f"loss_agg_mode={self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}.")
+            _check(value is None or value > 0, f"{name}={value} must be > 0 (DAPO: 0.2 low, 0.28 high), or None for "
+                   f"cliprange ({self.cliprange}).")
+        _check(self.clip_ratio_c is None or self.clip_ratio_c > 1,
+               f"clip_ratio_c={self.clip_ratio_c} must be > 1 (veRL: 3.0), or None for no dual clip.")
+        _check(self.loss_agg_mode in LOSS_AGG_MODES,
+               f"loss_agg_mode={self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}.")
         for name in ("lam_policy", "lam_value"):
             value = getattr(self, name)
-            check(value is None or 0 <= value <= 1, f"{name}={value} must be in [0, 1], or None for lam ({self.lam}).")
-        check(self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
-              f"length_adaptive_alpha={self.length_adaptive_alpha} must be > 0 (VAPO: 0.05), or None.")
-        check(self.length_adaptive_alpha is None or self.lam_policy is None,
-              f"length_adaptive_alpha={self.length_adaptive_alpha} and lam_policy={self.lam_policy} both set the "
-              "policy's λ: set one.")
-        check(self.vf_loss_type in VALUE_LOSS_TYPES,
-              f"vf_loss_type={self.vf_loss_type!r} is not one of {VALUE_LOSS_TYPES}.")
-        check(self.vf_huber_delta > 0, f"vf_huber_delta={self.vf_huber_delta} must be > 0 (typical: 1.0).")
-        check(self.vf_coef_end is None or self.vf_coef_end >= 0,
-              f"vf_coef_end={self.vf_coef_end} must be >= 0, or None for a constant vf_coef.")
-        check(self.temperature > 0, f"temperature={self.temperature} must be > 0 (1.0 samples from the policy as "
-              "is; 0.1 is near-greedy): TRL adds 1e-7 to it, so at 0 it samples greedily and its loss divides the "
-              "logits by 1e-7, and below 0 it samples the least likely tokens.")
-        check(self.response_length >= 1, f"response_length={self.response_length} must be >= 1 (TRL: 53): at 0 "
-              "there is no response to score or train on.")
-        check(self.num_ppo_epochs >= 1, f"num_ppo_epochs={self.num_ppo_epochs} must be >= 1 (TRL: 4): at 0 TRL "
-              "never updates the policy and logs NaN statistics.")
-        check(self.num_mini_batches >= 1, f"num_mini_batches={self.num_mini_batches} must be >= 1 (TRL: 1): TRL "
-              "divides the batch by it.")
-        check(self.local_rollout_forward_batch_size >= 1,
-              f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 (TRL: 64): "
-              "it is the step of TRL's rollout loop.")
-        check(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
-              f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0, or None (0 and None: no penalty): "
-              "TRL subtracts it from the score of a response without the stop token, so a negative value rewards "
-              "running into response_length. Old TRL's penalty_reward_value=-1 is missing_eos_penalty=1.0.")
-        check(self.kl_controller in KL_CONTROLLERS,
-              f"kl_controller={self.kl_controller!r} is not one of {KL_CONTROLLERS}.")
-        check(self.kl_controller != "adaptive" or self.kl_coef > 0,
-              f"kl_coef={self.kl_coef} with kl_controller='adaptive': the controller multiplies β, so it would stay "
-              "0 forever; start from kl_coef > 0 (e.g. 0.05).")
-        check(math.isfinite(self.kl_target) and self.kl_target > 0,
-              f"kl_target={self.kl_target} must be a positive number of nats per sequence (typical: 6.0).")
-        check(self.kl_horizon > 0, f"kl_horizon={self.kl_horizon} must be > 0 rollouts (typical: 10000).")
-        check(self.critic_warmup_steps >= 0, f"critic_warmup_steps={self.critic_warmup_steps} must be >= 0.")
-        check(self.value_model_init in VALUE_MODEL_INITS,
-              f"value_model_init={self.value_model_init!r} is not one of {VALUE_MODEL_INITS}.")
-        check(self.value_head_init is None or self.value_head_init in VALUE_HEAD_INITS,
-              f"value_head_init={self.value_head_init!r} is not one of {VALUE_HEAD_INITS} (or None).")
-        check(self.critic_learning_rate is None or self.critic_learning_rate > 0,
-              f"critic_learning_rate={self.critic_learning_rate} must be > 0, or None to use learning_rate.")
-        check(self.vllm_mode == "colocate",
-              f"vllm_mode={self.vllm_mode!r}: trl_ext runs vLLM colocated with the trainer only; use 'colocate'.")
-        check(0 < self.vllm_gpu_memory_utilization <= 1,
-              f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1] (TRL: 0.3).")
-        check(self.vllm_kv_cache_gb > 0, f"vllm_kv_cache_gb={self.vllm_kv_cache_gb} must be > 0 GiB.")
-        check(self.vllm_tensor_parallel_size >= 1,
-              f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} must be >= 1.")
-        check(self.vllm_max_model_length is None or self.vllm_max_model_length > self.response_length,
-              f"vllm_max_model_length={self.vllm_max_model_length} must exceed response_length="
-              f"{self.response_length} (it holds the prompt too).")
-        check(self.vllm_importance_sampling_mode in SAMPLER_CORRECTION_MODES,
-              f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
-              f"{SAMPLER_CORRECTION_MODES}.")
+            _check(value is None or 0 <= value <= 1, f"{name}={value} must be in [0, 1], or None for lam ({self.lam}).")
+        _check(self.length_adaptive_alpha is None or self.length_adaptive_alpha > 0,
+               f"length_adaptive_alpha={self.length_adaptive_alpha} must be > 0 (VAPO: 0.05), or None.")
+        _check(self.length_adaptive_alpha is None or self.lam_policy is None,
+               f"length_adaptive_alpha={self.length_adaptive_alpha} and lam_policy={self.lam_policy} both set the "
+               "policy's λ: set one.")
+        _check(self.vf_loss_type in VALUE_LOSS_TYPES,
+               f"vf_loss_type={self.vf_loss_type!r} is not one of {VALUE_LOSS_TYPES}.")
+        _check(self.vf_huber_delta > 0, f"vf_huber_delta={self.vf_huber_delta} must be > 0 (typical: 1.0).")
+        _check(self.vf_coef_end is None or self.vf_coef_end >= 0,
+               f"vf_coef_end={self.vf_coef_end} must be >= 0, or None for a constant vf_coef.")
+
+    def _check_trl_rollout_fields(self) -> None:
+        """TRL's sampling and batch fields (checked as in `_check_trl_update_fields`)."""
+        _check(self.temperature > 0, f"temperature={self.temperature} must be > 0 (1.0 samples from the policy as "
+               "is; 0.1 is near-greedy): TRL adds 1e-7 to it, so at 0 it samples greedily and its loss divides the "
+               "logits by 1e-7, and below 0 it samples the least likely tokens.")
+        _check(self.response_length >= 1, f"response_length={self.response_length} must be >= 1 (TRL: 53): at 0 "
+               "there is no response to score or train on.")
+        _check(self.num_ppo_epochs >= 1, f"num_ppo_epochs={self.num_ppo_epochs} must be >= 1 (TRL: 4): at 0 TRL "
+               "never updates the policy and logs NaN statistics.")
+        _check(self.num_mini_batches >= 1, f"num_mini_batches={self.num_mini_batches} must be >= 1 (TRL: 1): TRL "
+               "divides the batch by it.")
+        _check(self.local_rollout_forward_batch_size >= 1,
+               f"local_rollout_forward_batch_size={self.local_rollout_forward_batch_size} must be >= 1 (TRL: 64): "
+               "it is the step of TRL's rollout loop.")
+        _check(self.missing_eos_penalty is None or self.missing_eos_penalty >= 0,
+               f"missing_eos_penalty={self.missing_eos_penalty} must be >= 0, or None (0 and None: no penalty): "
+               "TRL subtracts it from the score of a response without the stop token, so a negative value rewards "
+               "running into response_length. Old TRL's penalty_reward_value=-1 is missing_eos_penalty=1.0.")
+
+    def _check_kl_control_and_critic(self) -> None:
+        """β control (core/kl_control.py), critic warmup and the critic's initialisation."""
+        _check(self.kl_controller in KL_CONTROLLERS,
+               f"kl_controller={self.kl_controller!r} is not one of {KL_CONTROLLERS}.")
+        _check(self.kl_controller != "adaptive" or self.kl_coef > 0,
+               f"kl_coef={self.kl_coef} with kl_controller='adaptive': the controller multiplies β, so it would stay "
+               "0 forever; start from kl_coef > 0 (e.g. 0.05).")
+        _check(math.isfinite(self.kl_target) and self.kl_target > 0,
+               f"kl_target={self.kl_target} must be a positive number of nats per sequence (typical: 6.0).")
+        _check(self.kl_horizon > 0, f"kl_horizon={self.kl_horizon} must be > 0 rollouts (typical: 10000).")
+        _check(self.critic_warmup_steps >= 0, f"critic_warmup_steps={self.critic_warmup_steps} must be >= 0.")
+        _check(self.value_model_init in VALUE_MODEL_INITS,
+               f"value_model_init={self.value_model_init!r} is not one of {VALUE_MODEL_INITS}.")
+        _check(self.value_head_init is None or self.value_head_init in VALUE_HEAD_INITS,
+               f"value_head_init={self.value_head_init!r} is not one of {VALUE_HEAD_INITS} (or None).")
+        _check(self.critic_learning_rate is None or self.critic_learning_rate > 0,
+               f"critic_learning_rate={self.critic_learning_rate} must be > 0, or None to use learning_rate.")
+
+    def _check_vllm(self) -> None:
+        """use_vllm's settings and the sampler correction."""
+        _check(self.vllm_mode == "colocate",
+               f"vllm_mode={self.vllm_mode!r}: trl_ext runs vLLM colocated with the trainer only; use 'colocate'.")
+        _check(0 < self.vllm_gpu_memory_utilization <= 1,
+               f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1] (TRL: 0.3).")
+        _check(self.vllm_kv_cache_gb > 0, f"vllm_kv_cache_gb={self.vllm_kv_cache_gb} must be > 0 GiB.")
+        _check(self.vllm_tensor_parallel_size >= 1,
+               f"vllm_tensor_parallel_size={self.vllm_tensor_parallel_size} must be >= 1.")
+        _check(self.vllm_max_model_length is None or self.vllm_max_model_length > self.response_length,
+               f"vllm_max_model_length={self.vllm_max_model_length} must exceed response_length="
+               f"{self.response_length} (it holds the prompt too).")
+        _check(self.vllm_importance_sampling_mode in SAMPLER_CORRECTION_MODES,
+               f"vllm_importance_sampling_mode={self.vllm_importance_sampling_mode!r} is not one of "
+               f"{SAMPLER_CORRECTION_MODES}.")
         low, high = self.vllm_importance_sampling_clip_min, self.vllm_importance_sampling_clip_max
-        check(low is not None or high is not None,
-              "vllm_importance_sampling_clip_min and _clip_max are both None: set clip_max (TRL's default: 3.0).")
-        check(high is None or high > 0,
-              f"vllm_importance_sampling_clip_max={high} must be > 0 (typical: 3.0), or None.")
-        check(low is None or low >= 0, f"vllm_importance_sampling_clip_min={low} must be >= 0, or None.")
-        check(low is None or high is None or low < high,
-              f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}.")
+        _check(low is not None or high is not None,
+               "vllm_importance_sampling_clip_min and _clip_max are both None: set clip_max (TRL's default: 3.0).")
+        _check(high is None or high > 0,
+               f"vllm_importance_sampling_clip_max={high} must be > 0 (typical: 3.0), or None.")
+        _check(low is None or low >= 0, f"vllm_importance_sampling_clip_min={low} must be >= 0, or None.")
+        _check(low is None or high is None or low < high,
+               f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}.")
+
+    def _check_rewards_and_alarms(self) -> None:
+        """The alarms' thresholds (a JSON string from the command line is parsed here), the score conditioning, the
+        prompts' length and the run's length."""
         if isinstance(self.alarm_thresholds, str):
             try:
                 self.alarm_thresholds = json.loads(self.alarm_thresholds)
@@ -414,19 +442,19 @@ class PPOConfig(PPOConfigBase):
             from .monitoring.alarms import AlarmThresholds
 
             AlarmThresholds.from_dict(self.alarm_thresholds)  # unknown names and bad values: a clear ValueError
-        check(self.reward_norm in ("none", "running", "fixed"),
-              f"reward_norm={self.reward_norm!r} is not one of ('none', 'running', 'fixed').")
-        check(math.isfinite(self.reward_norm_std) and self.reward_norm_std > 0,
-              f"reward_norm_std={self.reward_norm_std} must be a positive number.")
-        check(math.isfinite(self.reward_norm_mean), f"reward_norm_mean={self.reward_norm_mean} must be finite.")
-        check(self.reward_clip is None or self.reward_clip > 0,
-              f"reward_clip={self.reward_clip} must be > 0, or None for no clipping.")
-        check(self.reward_weights is None or all(math.isfinite(float(w)) for w in self.reward_weights),
-              f"reward_weights={self.reward_weights} must be finite numbers, one per reward.")
-        check(self.max_prompt_length is None or self.max_prompt_length >= 1,
-              f"max_prompt_length={self.max_prompt_length} must be >= 1, or None for no limit.")
-        check(self.prompt_truncation in ("left", "drop"),
-              f"prompt_truncation={self.prompt_truncation!r} is not one of ('left', 'drop').")
-        check(self.total_episodes is None or self.total_episodes >= 1,
-              f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size): at 0 "
-              "TRL trains no step.")
+        _check(self.reward_norm in ("none", "running", "fixed"),
+               f"reward_norm={self.reward_norm!r} is not one of ('none', 'running', 'fixed').")
+        _check(math.isfinite(self.reward_norm_std) and self.reward_norm_std > 0,
+               f"reward_norm_std={self.reward_norm_std} must be a positive number.")
+        _check(math.isfinite(self.reward_norm_mean), f"reward_norm_mean={self.reward_norm_mean} must be finite.")
+        _check(self.reward_clip is None or self.reward_clip > 0,
+               f"reward_clip={self.reward_clip} must be > 0, or None for no clipping.")
+        _check(self.reward_weights is None or all(math.isfinite(float(w)) for w in self.reward_weights),
+               f"reward_weights={self.reward_weights} must be finite numbers, one per reward.")
+        _check(self.max_prompt_length is None or self.max_prompt_length >= 1,
+               f"max_prompt_length={self.max_prompt_length} must be >= 1, or None for no limit.")
+        _check(self.prompt_truncation in ("left", "drop"),
+               f"prompt_truncation={self.prompt_truncation!r} is not one of ('left', 'drop').")
+        _check(self.total_episodes is None or self.total_episodes >= 1,
+               f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size): at 0 "
+               "TRL trains no step.")

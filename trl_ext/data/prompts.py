@@ -146,6 +146,141 @@ def _header_length(tokenizer, text: str, messages) -> int | None:
     return len(tokenizer(text[:start], add_special_tokens=False)["input_ids"])
 
 
+def _check_dataset(dataset) -> None:
+    """One map-style `datasets.Dataset` split."""
+    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
+
+    if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
+        raise TypeError(f"prepare_prompts takes one split, got a {type(dataset).__name__} with splits "
+                        f"{list(dataset.keys())}: pass e.g. dataset['train'].")
+    if isinstance(dataset, IterableDataset):
+        raise TypeError("prepare_prompts needs a map-style datasets.Dataset (PPO samples prompts by index), got an "
+                        "IterableDataset: materialise it, e.g. Dataset.from_generator or Dataset.from_list.")
+    if not isinstance(dataset, Dataset):
+        raise TypeError(f"prepare_prompts takes a datasets.Dataset, got {type(dataset).__name__}: wrap it, e.g. "
+                        "Dataset.from_list(rows) or Dataset.from_dict(columns).")
+
+
+def _prompt_form(dataset, tokenizer) -> str:
+    """"tokenized" (an `input_ids` column), or "text" / "conversational" (a `prompt` column, by its first row)."""
+    columns = dataset.column_names
+    if "input_ids" in columns:
+        form = "tokenized"
+    elif "prompt" in columns:
+        form = None  # text or conversational: decided by the first row
+    else:
+        raise ValueError(f"The dataset has neither a 'prompt' nor an 'input_ids' column (columns found: {columns}). "
+                         f"{FORMS_HELP}")
+    if len(dataset) == 0:
+        raise ValueError("The prompt dataset is empty: PPO needs at least one prompt.")
+    if form is None:
+        first = dataset[0]["prompt"]
+        kind = _prompt_kind(first)
+        if kind not in ("text", "conversational"):
+            if isinstance(first, list) and first and all(isinstance(m, Mapping) for m in first):
+                kind = "messages"
+            raise _row_error(0, "prompt", kind, first, None)
+        form = kind
+        if "prompt_text" in columns:
+            raise ValueError("The dataset already has a 'prompt_text' column, where prepare_prompts puts the text of "
+                             "each prompt: rename that column.")
+    if form == "conversational" and not getattr(tokenizer, "chat_template", None):
+        raise ValueError("The prompts are conversational (message lists) but the tokenizer has no chat template. "
+                         "Set one: `tokenizer.chat_template = ...` (e.g. the instruct model's tokenizer's template), "
+                         "or pass text prompts or tokenized `input_ids` instead.")
+    return form
+
+
+class _Cut:
+    """A prompt longer than `limit` tokens: flagged (truncation "drop"), or cut from the left after its head."""
+
+    def __init__(self, limit: int | None, drop: bool, special_ids: set[int]):
+        self.limit, self.drop, self.special_ids = limit, drop, special_ids
+
+    def __call__(self, ids: list[int], index: int, keep: int | None = None) -> tuple[list[int], bool]:
+        """(ids, over the limit). Left truncation keeps the prompt's head (`keep` tokens: the chat template's header;
+        default its leading special tokens, e.g. BOS) and cuts the oldest tokens after it."""
+        limit = self.limit
+        if limit is None or len(ids) <= limit:
+            return ids, False
+        if self.drop:
+            return ids, True
+        if keep is None:
+            keep = next((i for i, t in enumerate(ids) if t not in self.special_ids), len(ids))
+        if keep >= limit:
+            raise ValueError(f"Row {index} of the dataset: max_prompt_length={limit} leaves no room for the prompt "
+                             f"after its first {keep} tokens (leading special tokens / the chat template's header, "
+                             "which truncation keeps): raise max_prompt_length, or use prompt_truncation='drop'.")
+        return ids[:keep] + ids[len(ids) - (limit - keep):], True
+
+
+def _tokenize_rows(tokenizer, form: str, cut: _Cut):
+    """The `Dataset.map` function of the text and conversational forms: rendered, tokenized, cut."""
+    def tokenize_batch(batch, indices):
+        out_ids, out_text, over = [], [], []
+        for value, index in zip(batch["prompt"], indices):
+            kind = _prompt_kind(value)
+            if kind != form:
+                if kind == "invalid" and isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
+                    kind = "messages"
+                raise _row_error(index, "prompt", kind, value, form)
+            keep = None
+            if form == "text":
+                text = value
+                ids = tokenizer(text)["input_ids"]  # the tokenizer's default special tokens, as TRL does
+            else:
+                text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+                ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds them
+                if cut.limit is not None and len(ids) > cut.limit:
+                    keep = _header_length(tokenizer, text, value)
+            if not ids:
+                raise ValueError(f"Row {index} of the dataset: the prompt {value!r} tokenizes to no tokens; every "
+                                 "prompt needs at least one token. Remove the row.")
+            ids, is_over = cut(list(ids), index, keep)
+            out_ids.append(ids)
+            out_text.append(text)
+            over.append(is_over)
+        return {"input_ids": out_ids, "prompt_text": out_text, _OVER: over}
+    return tokenize_batch
+
+
+def _check_token_rows(cut: _Cut):
+    """The `Dataset.map` function of the tokenized form: ids checked, pre-padded rows unpadded by their own mask,
+    cut."""
+    def check_batch(batch, indices):
+        masks = batch.get("attention_mask")
+        out_ids, over = [], []
+        for j, (ids, index) in enumerate(zip(batch["input_ids"], indices)):
+            ids = _check_ids(index, ids)
+            if masks is not None:  # pre-padded rows: keep the positions their own mask marks as real
+                mask = masks[j]
+                if mask is None or len(mask) != len(ids):
+                    raise ValueError(f"Row {index} of the dataset: 'attention_mask' does not match 'input_ids' "
+                                     f"({None if mask is None else len(mask)} vs {len(ids)} positions).")
+                ids = [t for t, m in zip(ids, mask) if m]
+                if not ids:
+                    raise _row_error(index, "input_ids", "empty", ids, None)
+            ids, is_over = cut(ids, index)
+            out_ids.append(ids)
+            over.append(is_over)
+        return {"input_ids": out_ids, _OVER: over}
+    return check_batch
+
+
+def _drop_long(dataset, limit: int, num_proc: int | None):
+    """The dataset without its prompts over the limit (truncation "drop"), and how many went."""
+    num_over = sum(bool(x) for x in dataset[_OVER])
+    if num_over == len(dataset):
+        shortest = min(len(ids) for ids in dataset["input_ids"])
+        raise ValueError(f"All {num_over} prompts are longer than max_prompt_length={limit} (the shortest has "
+                         f"{shortest} tokens), so truncation='drop' leaves no prompt: raise max_prompt_length "
+                         "or use truncation='left'.")
+    if num_over:
+        dataset = dataset.filter(lambda flags: [not f for f in flags], input_columns=[_OVER], batched=True,
+                                 num_proc=num_proc, desc="Dropping long prompts")
+    return dataset, num_over
+
+
 def prepare_prompts(
     dataset,
     tokenizer,
@@ -168,133 +303,24 @@ def prepare_prompts(
     without a chat template, mixed forms, missing or empty prompts, an empty dataset (also after dropping),
     `max_prompt_length <= 0` or an unknown `truncation`.
     """
-    from datasets import Dataset, DatasetDict, IterableDataset, IterableDatasetDict
-
-    if isinstance(dataset, (DatasetDict, IterableDatasetDict)):
-        raise TypeError(f"prepare_prompts takes one split, got a {type(dataset).__name__} with splits "
-                        f"{list(dataset.keys())}: pass e.g. dataset['train'].")
-    if isinstance(dataset, IterableDataset):
-        raise TypeError("prepare_prompts needs a map-style datasets.Dataset (PPO samples prompts by index), got an "
-                        "IterableDataset: materialise it, e.g. Dataset.from_generator or Dataset.from_list.")
-    if not isinstance(dataset, Dataset):
-        raise TypeError(f"prepare_prompts takes a datasets.Dataset, got {type(dataset).__name__}: wrap it, e.g. "
-                        "Dataset.from_list(rows) or Dataset.from_dict(columns).")
+    _check_dataset(dataset)
     _check_max_prompt_length(max_prompt_length, truncation)
-
-    columns = dataset.column_names
-    if "input_ids" in columns:
-        form = "tokenized"
-    elif "prompt" in columns:
-        form = None  # text or conversational: decided by the first row
-    else:
-        raise ValueError(f"The dataset has neither a 'prompt' nor an 'input_ids' column (columns found: {columns}). "
-                         f"{FORMS_HELP}")
-    if len(dataset) == 0:
-        raise ValueError("The prompt dataset is empty: PPO needs at least one prompt.")
+    form = _prompt_form(dataset, tokenizer)
     dataset = dataset.with_format(None)  # python values, whatever format the caller set
-
-    if form is None:
-        first = dataset[0]["prompt"]
-        kind = _prompt_kind(first)
-        if kind not in ("text", "conversational"):
-            if isinstance(first, list) and first and all(isinstance(m, Mapping) for m in first):
-                kind = "messages"
-            raise _row_error(0, "prompt", kind, first, None)
-        form = kind
-        if "prompt_text" in columns:
-            raise ValueError("The dataset already has a 'prompt_text' column, where prepare_prompts puts the text of "
-                             "each prompt: rename that column.")
-    if form == "conversational" and not getattr(tokenizer, "chat_template", None):
-        raise ValueError("The prompts are conversational (message lists) but the tokenizer has no chat template. "
-                         "Set one: `tokenizer.chat_template = ...` (e.g. the instruct model's tokenizer's template), "
-                         "or pass text prompts or tokenized `input_ids` instead.")
-
-    limit = max_prompt_length
     drop = truncation == "drop"
-
-    special_ids = set(getattr(tokenizer, "all_special_ids", None) or ())
-
-    def cut(ids: list[int], index: int, keep: int | None = None) -> tuple[list[int], bool]:
-        """Left truncation keeps the prompt's head (`keep` tokens: the chat template's header; default its leading
-        special tokens, e.g. BOS) and cuts the oldest tokens after it."""
-        if limit is None or len(ids) <= limit:
-            return ids, False
-        if drop:
-            return ids, True
-        if keep is None:
-            keep = next((i for i, t in enumerate(ids) if t not in special_ids), len(ids))
-        if keep >= limit:
-            raise ValueError(f"Row {index} of the dataset: max_prompt_length={limit} leaves no room for the prompt "
-                             f"after its first {keep} tokens (leading special tokens / the chat template's header, "
-                             "which truncation keeps): raise max_prompt_length, or use prompt_truncation='drop'.")
-        return ids[:keep] + ids[len(ids) - (limit - keep):], True
-
-    def tokenize_batch(batch, indices):
-        out_ids, out_text, over = [], [], []
-        for value, index in zip(batch["prompt"], indices):
-            kind = _prompt_kind(value)
-            if kind != form:
-                if kind == "invalid" and isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
-                    kind = "messages"
-                raise _row_error(index, "prompt", kind, value, form)
-            keep = None
-            if form == "text":
-                text = value
-                ids = tokenizer(text)["input_ids"]  # the tokenizer's default special tokens, as TRL does
-            else:
-                text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
-                ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds them
-                if limit is not None and len(ids) > limit:
-                    keep = _header_length(tokenizer, text, value)
-            if not ids:
-                raise ValueError(f"Row {index} of the dataset: the prompt {value!r} tokenizes to no tokens; every "
-                                 "prompt needs at least one token. Remove the row.")
-            ids, is_over = cut(list(ids), index, keep)
-            out_ids.append(ids)
-            out_text.append(text)
-            over.append(is_over)
-        return {"input_ids": out_ids, "prompt_text": out_text, _OVER: over}
-
-    def check_batch(batch, indices):
-        masks = batch.get("attention_mask")
-        out_ids, over = [], []
-        for j, (ids, index) in enumerate(zip(batch["input_ids"], indices)):
-            ids = _check_ids(index, ids)
-            if masks is not None:  # pre-padded rows: keep the positions their own mask marks as real
-                mask = masks[j]
-                if mask is None or len(mask) != len(ids):
-                    raise ValueError(f"Row {index} of the dataset: 'attention_mask' does not match 'input_ids' "
-                                     f"({None if mask is None else len(mask)} vs {len(ids)} positions).")
-                ids = [t for t, m in zip(ids, mask) if m]
-                if not ids:
-                    raise _row_error(index, "input_ids", "empty", ids, None)
-            ids, is_over = cut(ids, index)
-            out_ids.append(ids)
-            over.append(is_over)
-        return {"input_ids": out_ids, _OVER: over}
-
+    cut = _Cut(max_prompt_length, drop, set(getattr(tokenizer, "all_special_ids", None) or ()))
     if form == "tokenized":
-        remove = ["attention_mask"] if "attention_mask" in columns else []
-        dataset = dataset.map(check_batch, batched=True, with_indices=True, num_proc=num_proc,
+        remove = ["attention_mask"] if "attention_mask" in dataset.column_names else []
+        dataset = dataset.map(_check_token_rows(cut), batched=True, with_indices=True, num_proc=num_proc,
                               remove_columns=remove, desc="Checking prompts")
     else:
-        dataset = dataset.map(tokenize_batch, batched=True, with_indices=True, num_proc=num_proc,
-                              desc="Tokenizing prompts")
-
-    num_over = sum(bool(x) for x in dataset[_OVER])
+        dataset = dataset.map(_tokenize_rows(tokenizer, form, cut), batched=True, with_indices=True,
+                              num_proc=num_proc, desc="Tokenizing prompts")
     num_truncated = num_dropped = 0
-    if drop and num_over:
-        total = len(dataset)
-        if num_over == total:
-            shortest = min(len(ids) for ids in dataset["input_ids"])
-            raise ValueError(f"All {total} prompts are longer than max_prompt_length={limit} (the shortest has "
-                             f"{shortest} tokens), so truncation='drop' leaves no prompt: raise max_prompt_length "
-                             "or use truncation='left'.")
-        dataset = dataset.filter(lambda flags: [not f for f in flags], input_columns=[_OVER], batched=True,
-                                 num_proc=num_proc, desc="Dropping long prompts")
-        num_dropped = num_over
-    elif not drop:
-        num_truncated = num_over
+    if drop:
+        dataset, num_dropped = _drop_long(dataset, max_prompt_length, num_proc)
+    else:
+        num_truncated = sum(bool(x) for x in dataset[_OVER])
     dataset = dataset.remove_columns([_OVER])
     return PreparedPrompts(dataset=dataset, form=form, num_truncated=num_truncated, num_dropped=num_dropped)
 

@@ -377,7 +377,6 @@ def make_dashboard(records: list[dict], path, title: str | None = None):
     """
     from matplotlib.backends.backend_agg import FigureCanvasAgg
     from matplotlib.figure import Figure
-    from matplotlib.lines import Line2D
 
     path = Path(path)
     run = _Run(records)
@@ -392,27 +391,7 @@ def make_dashboard(records: list[dict], path, title: str | None = None):
     if has_eval:  # (7) and (8): held-out evaluation against the reference (PPOTrainer.evaluate_policy)
         _eval_panels(run, *axes.flat[6:])
 
-    # (1) reward vs KL: one point per step, coloured by step, joined in step order.
-    ax_front.set_title(PANEL_TITLES[0])
-    ax_front.set_xlabel("KL to reference, nats (objective/kl)")
-    ax_front.set_ylabel("score (objective/scores)")
-    kl, score = run.series("objective/kl"), run.series("objective/scores")
-    points = [(s, x, y) for s, x, y in zip(run.steps, kl, score) if math.isfinite(x) and math.isfinite(y)]
-    if points:
-        steps, xs, ys = map(list, zip(*points))
-        (line,) = ax_front.plot(xs, ys, color="0.6", linewidth=1, zorder=1)
-        line.set_gid("frontier")
-        sc = ax_front.scatter(xs, ys, c=steps, cmap="viridis", s=30, zorder=2, edgecolors="none")
-        cbar = fig.colorbar(sc, ax=ax_front)
-        cbar.set_label("step")
-        ax_front.margins(0.08)  # room for the start/end labels
-        for i, text in ((0, "start"), (-1, "end")):
-            ax_front.annotate(f"{text} (step {steps[i]})", (xs[i], ys[i]), textcoords="offset points", xytext=(8, -14),
-                              fontsize=9, zorder=3,
-                              bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="0.7", alpha=0.85))
-    else:
-        _no_data(ax_front, [k for k in ("objective/kl", "objective/scores") if not run.has(k)] or
-                 ["objective/kl with objective/scores"])
+    _frontier_panel(fig, ax_front, run)
 
     # (2) KL (left) and β (right).
     _twin_panel(ax_kl, run, PANEL_TITLES[1], ("objective/kl", "KL, nats (objective/kl)"),
@@ -422,23 +401,7 @@ def make_dashboard(records: list[dict], path, title: str | None = None):
     _twin_panel(ax_clip, run, PANEL_TITLES[2], ("policy/clipfrac_avg", "clip fraction (policy/clipfrac_avg)"),
                 ("policy/approxkl_avg", "approx KL (policy/approxkl_avg)"))
 
-    # (4) value explained variance, with y = 0 (a critic no better than a constant) dashed.
-    ax_ev.set_title(PANEL_TITLES[3])
-    ax_ev.set_xlabel("step")
-    ax_ev.set_ylabel("explained variance (val/explained_variance)")
-    ax_ev.axhline(0.0, color="0.3", linestyle="--", linewidth=1, label="0 (constant predictor)")
-    if _step_panel(ax_ev, run, "val/explained_variance", "explained variance") is None:
-        _no_data(ax_ev, ["val/explained_variance"])
-    else:
-        ev = [v for v in run.series("val/explained_variance") if math.isfinite(v)]
-        if min(ev) < -2:  # a cold critic can sit at -50: keep the interesting range [-2, 1] readable
-            ax_ev.set_ylim(bottom=-2, top=max(1.05, max(ev) + 0.05))
-            ax_ev.text(0.01, 0.02, f"clipped at -2 (min {min(ev):.3g})", transform=ax_ev.transAxes, fontsize=8,
-                       color="0.4")
-        warm = [s for s, w in zip(run.steps, run.series("val/warmup")) if math.isfinite(w) and w != 0]
-        if warm:
-            ax_ev.axvspan(min(warm) - 0.5, max(warm) + 0.5, color="0.85", zorder=0, label="critic warmup")
-        ax_ev.legend(loc="lower right", fontsize=8, framealpha=0.8)
+    _explained_variance_panel(ax_ev, run)
 
     # (5) per-token policy entropy.
     ax_ent.set_title(PANEL_TITLES[4])
@@ -460,20 +423,71 @@ def make_dashboard(records: list[dict], path, title: str | None = None):
     ax_front.grid(True, alpha=0.3)
 
     if alarms:
-        by_name: dict[str, list[int]] = {}
-        for step, name in alarms:
-            by_name.setdefault(name, []).append(step)
-        handles = [Line2D([], [], color=colors[name], linestyle=":", linewidth=2,
-                          label=f"alarm {name} (step{'s' if len(st) > 1 else ''} {', '.join(map(str, st))})")
-                   for name, st in by_name.items()]
-        fig.legend(handles=handles, loc="outside lower center", ncols=min(3, len(handles)), fontsize=10,
-                   title="alarms (dotted lines on the step panels)", title_fontsize=10)
+        _alarm_legend(fig, alarms, colors)
 
     name = title if title is not None else path.resolve().parent.name
     fig.suptitle(f"trl_ext run: {name}" + ("" if alarms else "   (no alarms raised)"), fontsize=15)
     path.parent.mkdir(parents=True, exist_ok=True)
     fig.savefig(path, format="png")
     return fig
+
+
+def _frontier_panel(fig, ax_front, run) -> None:
+    """(1) reward vs KL: one point per step, coloured by step, joined in step order."""
+    ax_front.set_title(PANEL_TITLES[0])
+    ax_front.set_xlabel("KL to reference, nats (objective/kl)")
+    ax_front.set_ylabel("score (objective/scores)")
+    kl, score = run.series("objective/kl"), run.series("objective/scores")
+    points = [(s, x, y) for s, x, y in zip(run.steps, kl, score) if math.isfinite(x) and math.isfinite(y)]
+    if points:
+        steps, xs, ys = map(list, zip(*points))
+        (line,) = ax_front.plot(xs, ys, color="0.6", linewidth=1, zorder=1)
+        line.set_gid("frontier")
+        sc = ax_front.scatter(xs, ys, c=steps, cmap="viridis", s=30, zorder=2, edgecolors="none")
+        cbar = fig.colorbar(sc, ax=ax_front)
+        cbar.set_label("step")
+        ax_front.margins(0.08)  # room for the start/end labels
+        for i, text in ((0, "start"), (-1, "end")):
+            ax_front.annotate(f"{text} (step {steps[i]})", (xs[i], ys[i]), textcoords="offset points", xytext=(8, -14),
+                              fontsize=9, zorder=3,
+                              bbox=dict(boxstyle="round,pad=0.2", facecolor="white", edgecolor="0.7", alpha=0.85))
+    else:
+        _no_data(ax_front, [k for k in ("objective/kl", "objective/scores") if not run.has(k)] or
+                 ["objective/kl with objective/scores"])
+
+
+def _explained_variance_panel(ax_ev, run) -> None:
+    """(4) value explained variance, with y = 0 (a critic no better than a constant) dashed; critic warmup shaded."""
+    ax_ev.set_title(PANEL_TITLES[3])
+    ax_ev.set_xlabel("step")
+    ax_ev.set_ylabel("explained variance (val/explained_variance)")
+    ax_ev.axhline(0.0, color="0.3", linestyle="--", linewidth=1, label="0 (constant predictor)")
+    if _step_panel(ax_ev, run, "val/explained_variance", "explained variance") is None:
+        _no_data(ax_ev, ["val/explained_variance"])
+    else:
+        ev = [v for v in run.series("val/explained_variance") if math.isfinite(v)]
+        if min(ev) < -2:  # a cold critic can sit at -50: keep the interesting range [-2, 1] readable
+            ax_ev.set_ylim(bottom=-2, top=max(1.05, max(ev) + 0.05))
+            ax_ev.text(0.01, 0.02, f"clipped at -2 (min {min(ev):.3g})", transform=ax_ev.transAxes, fontsize=8,
+                       color="0.4")
+        warm = [s for s, w in zip(run.steps, run.series("val/warmup")) if math.isfinite(w) and w != 0]
+        if warm:
+            ax_ev.axvspan(min(warm) - 0.5, max(warm) + 0.5, color="0.85", zorder=0, label="critic warmup")
+        ax_ev.legend(loc="lower right", fontsize=8, framealpha=0.8)
+
+
+def _alarm_legend(fig, alarms, colors) -> None:
+    """The figure legend: one dotted line per alarm, with the steps it fired at."""
+    from matplotlib.lines import Line2D
+
+    by_name: dict[str, list[int]] = {}
+    for step, name in alarms:
+        by_name.setdefault(name, []).append(step)
+    handles = [Line2D([], [], color=colors[name], linestyle=":", linewidth=2,
+                      label=f"alarm {name} (step{'s' if len(st) > 1 else ''} {', '.join(map(str, st))})")
+               for name, st in by_name.items()]
+    fig.legend(handles=handles, loc="outside lower center", ncols=min(3, len(handles)), fontsize=10,
+               title="alarms (dotted lines on the step panels)", title_fontsize=10)
 
 
 def _eval_panels(run, ax_win, ax_scores) -> None:

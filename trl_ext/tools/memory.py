@@ -525,26 +525,36 @@ def _layer_transient_per_token(shape: ModelShape, plan: PlanConfig, a: int, s: i
     return 2 * h * s + h * a + cast + 3 * i * a
 
 
-def estimate_memory(shape: ModelShape, plan: PlanConfig) -> MemoryEstimate:
-    """The per-component, per-phase memory table of a PPO run with `plan` on a model of `shape` (see the module
-    docstring for what is counted)."""
-    h, V, L = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers
-    P, R = plan.max_prompt_length, plan.response_length
-    S = P + R
-    a = _float(plan.compute_dtype)  # activations
+_TRAINED_ADAPTERS = 2  # policy and critic
+
+
+@dataclass
+class _Sizes:
+    """What every part of the estimate reads: the byte widths and the sizes of one run."""
+    a: int  # activation bytes: the compute dtype (autocast) or the model's own
+    s: int  # bytes of the unquantized weights (embeddings, norms, heads)
+    a_logits: int  # bytes of the lm_head's output
+    f: int  # sequences per scoring forward (local_rollout_forward_batch_size, at most the batch)
+    n_lora: int  # parameters of one LoRA adapter
+    dequant: int  # bytes of the largest dequantized weight (4-bit/8-bit bases; else 0)
+
+
+def _sizes(shape: ModelShape, plan: PlanConfig) -> _Sizes:
+    a = _float(plan.compute_dtype)
     s = _float(plan.non_quantized_dtype or plan.compute_dtype) if plan.is_quantized else _float(plan.base_dtype)
     if not plan.is_quantized and not plan.uses_autocast:
         a = s  # an unquantized model computes in its own dtype
-    a_logits = a  # lm_head output: the compute dtype (autocast) or the lm_head's dtype
-    if not plan.uses_autocast:
-        a_logits = s
-    m, f, B = plan.per_device_train_batch_size, plan.local_rollout_forward_batch_size, plan.local_batch_size
-    f = min(f, B)
-    n_lora = shape.lora_params(plan.lora_r, plan.lora_targets)
-    lora_b = _float(plan.lora_dtype)
-    opt = plan.optimizer_bytes_per_param
+    a_logits = a if plan.uses_autocast else s  # lm_head output: the compute dtype (autocast) or the lm_head's dtype
+    dequant = 0
+    if plan.is_quantized:  # bnb dequantizes the largest weight to the compute dtype for a multi-token matmul
+        dequant = max(i * o for i, o in shape.linear_dims().values()) * a
+    return _Sizes(a=a, s=s, a_logits=a_logits, f=min(plan.local_rollout_forward_batch_size, plan.local_batch_size),
+                  n_lora=shape.lora_params(plan.lora_r, plan.lora_targets), dequant=dequant)
 
-    # ------------------------------------------------------------------ static
+
+def _static_memory(shape: ModelShape, plan: PlanConfig, z: _Sizes) -> dict[str, int]:
+    """What stays for the whole run: the bases, the trained LoRA and heads with their optimizer states, the
+    rollout buffers."""
     static: dict[str, int] = {}
     shared = plan.layout == "shared"
     bases = [("policy", True)] if shared else [("policy+reference", True), ("critic", False), ("reward", False)]
@@ -557,40 +567,33 @@ def estimate_memory(shape: ModelShape, plan: PlanConfig) -> MemoryEstimate:
         static[f"{label}: decoder linears ({shape.linear_params / 1e9:.2f}B params, {qname})"] = lin
         what = "embeddings, lm_head, norms" if lm_head and not shape.tie_word_embeddings else "embeddings, norms"
         static[f"{label}: {what} ({nq_dtype})"] = rest
-    n_trained_adapters = 2  # policy and critic
-    head_params = h  # a 1-output linear head on the hidden states (no bias)
-    trained = n_trained_adapters * n_lora
+    opt, trained, head_params = plan.optimizer_bytes_per_param, _TRAINED_ADAPTERS * z.n_lora, shape.hidden_size
     static[f"LoRA policy+critic: {trained / 1e6:.1f}M params ({plan.lora_dtype}) + optimizer states"] = (
-        trained * (lora_b + opt))
+        trained * (_float(plan.lora_dtype) + opt))
     static["value head (trained) + reward head"] = head_params * (4 + opt) + head_params * 4
     if shared:
-        static[f"LoRA reward adapter (frozen): {n_lora / 1e6:.1f}M params"] = n_lora * lora_b
+        static[f"LoRA reward adapter (frozen): {z.n_lora / 1e6:.1f}M params"] = z.n_lora * _float(plan.lora_dtype)
     # rollout buffers: ids and masks (B, P)+(B, R) int64/bool, and ~10 (B, R) fp32 tensors (logprobs, ref_logprobs,
     # values, scores, kl, rewards, advantages, returns, ...)
+    B, S, R = plan.local_batch_size, plan.max_prompt_length + plan.response_length, plan.response_length
     static["rollout buffers"] = B * S * 9 + B * R * 4 * 10
-    grads = trained * lora_b + head_params * 4
+    return static
 
-    dequant = 0
-    if plan.is_quantized:  # bnb dequantizes the largest weight to the compute dtype for a multi-token matmul
-        dequant = max(i * o for i, o in shape.linear_dims().values()) * a
 
-    # ------------------------------------------------------------------ phases
-    phases: list[Phase] = []
-    layer_t = _layer_transient_per_token(shape, plan, a, s)
-    mask_t = S * (1 + a)  # the (b, 1, S, S) bool mask and its per-layer conversion, per token
-
+def _rollout_phases(shape: ModelShape, plan: PlanConfig, z: _Sizes) -> list[Phase]:
+    """1. generation, 2.-4. the scoring forwards (no grad, chunks of f sequences of S tokens)."""
+    V, L, P, R = shape.vocab_size, shape.num_hidden_layers, plan.max_prompt_length, plan.response_length
+    S, f, a_logits = P + R, z.f, z.a_logits
+    layer_t = _layer_transient_per_token(shape, plan, z.a, z.s)
+    mask_t = S * (1 + z.a)  # the (b, 1, S, S) bool mask and its per-layer conversion, per token
+    dq = {"dequantized weight (one linear, compute dtype)": z.dequant} if z.dequant else {}
     # 1. generation: the KV cache for S tokens of f sequences, plus the prefill's per-layer working set
-    kv = 2 * L * f * S * shape.kv_dim * a
+    kv = 2 * L * f * S * shape.kv_dim * z.a
     gen = {f"KV cache: 2·L·{f} seqs·{S} tokens·{shape.kv_dim} kv dim": kv,
            f"prefill working set of one layer ({f}×{P} tokens)": f * P * (layer_t + mask_t),
-           f"sampling: last-position logits, fp32 ({f}×V ×3)": f * V * 4 * 3}
-    if dequant:
-        gen["dequantized weight (one linear, compute dtype)"] = dequant
-    phases.append(Phase("generation (KV cache)", gen))
-
-    # 2.-4. scoring forwards without grad, chunks of f sequences of S tokens
-    # chunked (trl_ext): logits of the T + 1 positions that predict response tokens only (logits_to_keep), log-probs
-    # C positions at a time (core.token_logprobs); not chunked (TRL 1.12): logits of all S positions, then
+           f"sampling: last-position logits, fp32 ({f}×V ×3)": f * V * 4 * 3, **dq}
+    # 2.-4. chunked (trl_ext): logits of the T + 1 positions that predict response tokens only (logits_to_keep),
+    # log-probs C positions at a time (core.token_logprobs); not chunked (TRL 1.12): logits of all S positions, then
     # logits[:, Q-1:-1].float() / T: an fp32 copy (when the logits are not fp32) and its quotient
     C = plan.logits_chunk_size
     pos = R + 1 if plan.chunked_logits else S
@@ -603,67 +606,74 @@ def estimate_memory(shape: ModelShape, plan: PlanConfig) -> MemoryEstimate:
                 f * R * V * 4 * (2 if a_logits != 4 else 1),
                 "logsumexp working set (one row, fp32)": R * V * 4}
     fwd_t = f * S * (layer_t + mask_t)
-    dq = {"dequantized weight (one linear, compute dtype)": dequant} if dequant else {}
     # the policy's logits stay alive while the value model runs, then the log-probs are taken
-    logp_total = sum(logp.values())
-    phases.append(Phase("scoring: policy + value forward",
-                        {f"policy logits ({f}×{pos}×V, {lname})": full,
-                         "the larger of: value forward (one layer), log-probs": max(fwd_t, logp_total), **dq}))
+    policy_value = {f"policy logits ({f}×{pos}×V, {lname})": full,
+                    "the larger of: value forward (one layer), log-probs": max(fwd_t, sum(logp.values())), **dq}
     ref = {f"reference logits ({f}×{pos}×V, {lname})": full, **logp, **dq}
     if not plan.chunked_logits:  # the quotient is made while the full logits exist, then upcast
         ref[f"response logits / T ({f}×{R}×V, {lname})"] = f * R * V * a_logits if a_logits != 4 else 0
-    phases.append(Phase("scoring: reference forward", ref))
-    phases.append(Phase("scoring: reward forward", {f"one layer ({f}×{S} tokens)": fwd_t,
-                                                    "final hidden states": f * S * h * s, **dq}))
+    reward = {f"one layer ({f}×{S} tokens)": fwd_t, "final hidden states": f * S * shape.hidden_size * z.s, **dq}
+    return [Phase("generation (KV cache)", gen), Phase("scoring: policy + value forward", policy_value),
+            Phase("scoring: reference forward", ref), Phase("scoring: reward forward", reward)]
 
-    # 5. training step: a micro-batch of m sequences through policy and critic, the losses, backward.
-    # separate: one forward of both models, one backward of the summed loss (both models' activations live);
-    # shared: the policy pass (forward + backward) and then the critic pass, each with its own adapter (trl_ext's
-    # PPOTrainer._shared_losses), so one role's activations at a time; the policy pass is the larger one.
-    n_models = 1 if shared else 2
-    who = "policy pass" if shared else "policy + critic"
 
-    def training(checkpointing: bool) -> Phase:
-        per_layer = _layer_saved_per_token(shape, plan, a, S)
-        per_layer_sum = sum(per_layer.values())
-        tokens = m * S
-        terms: dict[str, int] = {}
-        # backward runs from the loss down: first through the logits (every layer's saved tensors, or checkpointed
-        # inputs, still alive), then layer by layer; the logits and their gradients are gone before the layers'
-        # backward begins, so the phase's peak is the larger of the two stages
-        backward = tokens * (2 * h * s + 2 * shape.intermediate_size * a)  # residual-stream and MLP gradients
-        if checkpointing:
-            # each checkpointed layer keeps its input; backward recomputes one layer at a time
-            name = f"checkpointed layer inputs ({who}: {n_models}×L × {m}×{S} tokens × h)"
-            terms[name] = n_models * L * tokens * h * s
-            layer_stage = int(tokens * per_layer_sum) + backward
-        else:
-            terms[f"saved activations ({who}: {n_models}×L × {m}×{S} tokens × {per_layer_sum / 1024:.1f} KiB)"] = int(
-                n_models * L * tokens * per_layer_sum)
-            layer_stage = backward
-        if not shared:
-            terms["value head input (final hidden states)"] = tokens * h * s
-        keep = m * pos * V * a_logits
-        if plan.chunked_logits:
-            # token_logprobs keeps the (m, T+1, V) logits for backward; its backward makes a (m, T, V) gradient,
-            # and the slice's backward a (m, T+1, V) one; one (C, V) chunk at a time in fp32
-            logits_stage = 2 * keep + 3 * C * V * 4
-        else:
-            # TRL 1.12's way: x = the fp32 (m, T, V) response logits / T, kept (logsumexp saves them). Forward: the
-            # (m, S, V) logits, the .float() copy and x coexist; backward: x, its gradient and the gradient through
-            # the division (3x), then x, the gradient in the logits' dtype and the (m, S, V) gradient of the slice
-            x = m * R * V * 4
-            logits_stage = max(keep + x * (2 if a_logits != 4 else 1), 3 * x, x + x * a_logits // 4 + keep)
-        larger = "logits" if logits_stage >= layer_stage else "layer"
-        name = f"backward peak: the {larger} stage (logits {logits_stage / GIB:.2f}, layer {layer_stage / GIB:.2f} GiB)"
-        terms[name] = max(logits_stage, layer_stage)
-        if dequant:
-            terms["dequantized weight (one linear, compute dtype)"] = dequant
-        return Phase(f"training step ({'with' if checkpointing else 'without'} checkpointing)", terms,
-                     extra_static=grads)
+def _training_phase(shape: ModelShape, plan: PlanConfig, z: _Sizes, checkpointing: bool) -> Phase:
+    """5. training step: a micro-batch of m sequences through policy and critic, the losses, backward.
+    separate: one forward of both models, one backward of the summed loss (both models' activations live);
+    shared: the policy pass (forward + backward) and then the critic pass, each with its own adapter (trl_ext's
+    `PPOUpdate._shared_losses`), so one role's activations at a time; the policy pass is the larger one."""
+    h, V, L, R = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers, plan.response_length
+    S, m, a, s, a_logits = plan.max_prompt_length + R, plan.per_device_train_batch_size, z.a, z.s, z.a_logits
+    shared = plan.layout == "shared"
+    n_models, who = (1, "policy pass") if shared else (2, "policy + critic")
+    C = plan.logits_chunk_size
+    pos = R + 1 if plan.chunked_logits else S
+    per_layer_sum = sum(_layer_saved_per_token(shape, plan, a, S).values())
+    tokens = m * S
+    terms: dict[str, int] = {}
+    # backward runs from the loss down: first through the logits (every layer's saved tensors, or checkpointed
+    # inputs, still alive), then layer by layer; the logits and their gradients are gone before the layers'
+    # backward begins, so the phase's peak is the larger of the two stages
+    backward = tokens * (2 * h * s + 2 * shape.intermediate_size * a)  # residual-stream and MLP gradients
+    if checkpointing:
+        # each checkpointed layer keeps its input; backward recomputes one layer at a time
+        terms[f"checkpointed layer inputs ({who}: {n_models}×L × {m}×{S} tokens × h)"] = n_models * L * tokens * h * s
+        layer_stage = int(tokens * per_layer_sum) + backward
+    else:
+        terms[f"saved activations ({who}: {n_models}×L × {m}×{S} tokens × {per_layer_sum / 1024:.1f} KiB)"] = int(
+            n_models * L * tokens * per_layer_sum)
+        layer_stage = backward
+    if not shared:
+        terms["value head input (final hidden states)"] = tokens * h * s
+    keep = m * pos * V * a_logits
+    if plan.chunked_logits:
+        # token_logprobs keeps the (m, T+1, V) logits for backward; its backward makes a (m, T, V) gradient,
+        # and the slice's backward a (m, T+1, V) one; one (C, V) chunk at a time in fp32
+        logits_stage = 2 * keep + 3 * C * V * 4
+    else:
+        # TRL 1.12's way: x = the fp32 (m, T, V) response logits / T, kept (logsumexp saves them). Forward: the
+        # (m, S, V) logits, the .float() copy and x coexist; backward: x, its gradient and the gradient through
+        # the division (3x), then x, the gradient in the logits' dtype and the (m, S, V) gradient of the slice
+        x = m * R * V * 4
+        logits_stage = max(keep + x * (2 if a_logits != 4 else 1), 3 * x, x + x * a_logits // 4 + keep)
+    larger = "logits" if logits_stage >= layer_stage else "layer"
+    name = f"backward peak: the {larger} stage (logits {logits_stage / GIB:.2f}, layer {layer_stage / GIB:.2f} GiB)"
+    terms[name] = max(logits_stage, layer_stage)
+    if z.dequant:
+        terms["dequantized weight (one linear, compute dtype)"] = z.dequant
+    grads = _TRAINED_ADAPTERS * z.n_lora * _float(plan.lora_dtype) + h * 4  # the LoRA's and the value head's
+    return Phase(f"training step ({'with' if checkpointing else 'without'} checkpointing)", terms,
+                 extra_static=grads)
 
-    phases.append(training(plan.gradient_checkpointing))
-    alternative = training(not plan.gradient_checkpointing)
-    counts = {"parameters": shape.num_parameters(), "lora_params_per_adapter": n_lora,
-              "trained_params": trained + head_params, "rollout_batch": B}
+
+def estimate_memory(shape: ModelShape, plan: PlanConfig) -> MemoryEstimate:
+    """The per-component, per-phase memory table of a PPO run with `plan` on a model of `shape` (see the module
+    docstring for what is counted)."""
+    z = _sizes(shape, plan)
+    static = _static_memory(shape, plan, z)
+    phases = _rollout_phases(shape, plan, z) + [_training_phase(shape, plan, z, plan.gradient_checkpointing)]
+    alternative = _training_phase(shape, plan, z, not plan.gradient_checkpointing)
+    counts = {"parameters": shape.num_parameters(), "lora_params_per_adapter": z.n_lora,
+              "trained_params": _TRAINED_ADAPTERS * z.n_lora + shape.hidden_size,
+              "rollout_batch": plan.local_batch_size}
     return MemoryEstimate(shape, plan, static, phases, alternative, counts)

@@ -1,0 +1,88 @@
+"""The package's layout as the README promises it: every path and name in the one-hop table exists, the package
+root holds only what serves every room, and no module imports a module that imports it back."""
+
+import ast
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+PACKAGE = ROOT / "trl_ext"
+
+
+def _one_hop_table() -> str:
+    readme = (ROOT / "README.md").read_text()
+    start = readme.index("| question | one hop |")
+    return readme[start : readme.index("\n\n", start)]
+
+
+def test_every_path_and_name_in_the_readmes_one_hop_table_exists():
+    table = _one_hop_table()
+    paths = re.findall(r"`((?:trl_ext|recipes|benchmarks|tests|notebooks)/[\w/.]*)(?:::([\w.]+))?", table)
+    assert len(paths) > 30
+    for path, name in paths:
+        assert (ROOT / path).exists(), path
+        if name:
+            source = (ROOT / path).read_text()
+            head = name.split(".")[0]
+            assert re.search(rf"^\s*(def|class) {head}\b|^{head} = ", source, re.M), f"{path}::{name}"
+    # the names the table gives after a file, e.g. `scorer.py::RewardScorer`, resolve inside its folder
+    for folder, file, name in re.findall(r"`(trl_ext/[\w/]+/)`:.*?`(\w+\.py)::(\w+)`", table):
+        assert re.search(rf"^(class|def) {name}\b", (ROOT / folder / file).read_text(), re.M), (folder, file, name)
+
+
+def test_the_package_root_holds_only_what_every_room_shares():
+    """Everything else lives in a folder named for its role (trainer, models, rewards, monitoring, tools, data,
+    scripts, core)."""
+    root_modules = {p.name for p in PACKAGE.glob("*.py")}
+    assert root_modules == {"__init__.py", "config.py", "compat.py", "_trl.py", "ppo_base.py", "testing.py",
+                            "embedded.py"}
+    rooms = {p.name for p in PACKAGE.iterdir() if p.is_dir() and (p / "__init__.py").exists()}
+    assert rooms == {"core", "trainer", "models", "rewards", "monitoring", "tools", "data", "scripts"}
+
+
+def _module_imports() -> dict[str, set[str]]:
+    """{module: modules of trl_ext it imports at module level (not inside functions)}."""
+    graph = {}
+    for path in PACKAGE.rglob("*.py"):
+        parts = list(path.relative_to(ROOT).with_suffix("").parts)
+        is_package = parts[-1] == "__init__"
+        module = ".".join(parts[:-1] if is_package else parts)
+        package = module.split(".") if is_package else module.split(".")[:-1]
+        edges = set()
+        for node in ast.parse(path.read_text()).body:
+            if isinstance(node, ast.ImportFrom) and node.level:
+                base = package[: len(package) - node.level + 1]
+                target = ".".join(base + ([node.module] if node.module else []))
+                edges.add(target)
+                edges.update(f"{target}.{a.name}" for a in node.names)
+        graph[module] = edges
+    return {m: {e for e in edges if e in graph} for m, edges in graph.items()}
+
+
+def test_no_module_imports_one_that_imports_it_back():
+    graph = _module_imports()
+    assert "trl_ext.trainer.rollout" in graph["trl_ext.trainer.update"]  # the graph sees relative imports
+    state: dict[str, int] = {}
+
+    def visit(module, path):
+        state[module] = 1
+        for target in graph[module]:
+            if target == module or (module.startswith(target + ".") and target in graph):
+                continue  # a package's own __init__ runs first anyway
+            assert state.get(target) != 1, " -> ".join(path + [target])
+            if target not in state:
+                visit(target, path + [target])
+        state[module] = 2
+
+    for module in graph:
+        if module not in state:
+            visit(module, [module])
+
+
+def test_tools_monitoring_and_seeds_load_without_trl():
+    code = ("import sys, trl_ext.tools.cli, trl_ext.tools.memory, trl_ext.monitoring.report, trl_ext.trainer.seeds, "
+            "trl_ext.monitoring.phases; assert 'trl' not in sys.modules, sorted(m for m in sys.modules if "
+            "m.startswith('trl'))")
+    subprocess.run([sys.executable, "-c", code], check=True, cwd=ROOT)

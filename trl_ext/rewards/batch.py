@@ -1,0 +1,55 @@
+"""`RewardBatch`: one batch of query + response as every kind of reward reads it, with the policy tokenizer's
+decodings made once and shared."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from ..models import sequence_inputs
+
+
+@dataclass
+class RewardBatch:
+    queries: torch.Tensor  # (B, Q) left-padded prompt ids
+    query_mask: torch.Tensor  # (B, Q) bool
+    responses: torch.Tensor  # (B, T) response ids
+    response_mask: torch.Tensor  # (B, T) bool, True up to and including the stop token
+    policy_tokenizer: Any
+    extra_columns: dict[str, list] = field(default_factory=dict)  # {column: B values}, for reward functions
+    trainer_state: Any = None
+    _cache: dict = field(default_factory=dict, repr=False)
+
+    def __len__(self) -> int:
+        return self.queries.shape[0]
+
+    @property
+    def inputs(self) -> dict[str, torch.Tensor]:
+        """The policy's ids of query + response, with their attention mask and position ids."""
+        if "inputs" not in self._cache:
+            self._cache["inputs"] = sequence_inputs(self.queries, self.query_mask, self.responses, self.response_mask)
+        return self._cache["inputs"]
+
+    def texts(self) -> tuple[list[str], list[str]]:
+        """(prompts, completions) decoded from the policy's tokens: no padding, no special tokens, completion cut
+        after the stop token."""
+        if "texts" not in self._cache:
+            tok = self.policy_tokenizer
+            prompts = tok.batch_decode([q[m] for q, m in zip(self.queries, self.query_mask)],
+                                       skip_special_tokens=True)
+            completions = tok.batch_decode([r[m] for r, m in zip(self.responses, self.response_mask)],
+                                           skip_special_tokens=True)
+            self._cache["texts"] = (prompts, completions)
+        return self._cache["texts"]
+
+    def joined_texts(self) -> list[str]:
+        """Prompt and completion tokens decoded together: prompt + completion with the seam's spacing kept (decoding
+        them apart drops a leading space with SentencePiece and word-level tokenizers)."""
+        if "joined" not in self._cache:
+            self._cache["joined"] = self.policy_tokenizer.batch_decode(
+                [torch.cat([q[qm], r[rm]]) for q, qm, r, rm in zip(self.queries, self.query_mask, self.responses,
+                                                                    self.response_mask)],
+                skip_special_tokens=True)
+        return self._cache["joined"]
