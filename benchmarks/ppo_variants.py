@@ -5,7 +5,7 @@ variant's own diagnostics showed.
     python benchmarks/ppo_variants.py                                   # 3 seeds, ~3 minutes on 2 cores
     python benchmarks/ppo_variants.py --seeds 1 --steps 10 --out /tmp/v  # a quick check of the script
 
-The task (as tests/test_trainer.py's): the reward is the share of a response's words that come from 8 of the 73
+The task (as tests/trainer/test_trainer.py's): the reward is the share of a response's words that come from 8 of the 73
 tokens (about 0.1 for a random response), responses stop at EOS (lengths vary) within `--response_length` tokens,
 β = 0.01, lr 1e-2, 2 PPO epochs over 2 minibatches per iteration of 16 prompts. Writes `<out>/results.json` and
 `<out>/results.md`.

@@ -19,7 +19,7 @@ tensor bytes (Python objects, library buffers: a few MiB); the numbers repeat wi
 Precision: fp32 only. On CPU, bf16 matmuls go through oneDNN, which keeps packed copies of the weights outside
 torch's tensors (+90 to +250 MiB of RSS for a 200 MiB bf16 model), so RSS does not measure what a GPU allocates; the
 bf16/autocast saved-activation terms are checked against autograd's saved tensors instead
-(tests/test_memory_planner.py::test_saved_activations_per_layer_match_autograd).
+(tests/tools/test_memory_planner.py::test_saved_activations_per_layer_match_autograd).
 
 Compared: for each phase, the measured peak against the planner's static + that phase (without the GPU headroom),
 and the relative error (estimate − measured) / measured. The second training step is compared (the first also

@@ -30,8 +30,8 @@ tokenizer has one (`--prompt_format auto`). Outputs: shared: `policy/`, `critic/
 `value_head.safetensors`; separate: the policy adapter at the top level and `critic/`; both: the tokenizer,
 metrics.jsonl, samples.jsonl, memory.json.
 
-Status: run end to end on CPU only, on a tiny random Llama in nf4 (tests/test_qlora_recipe.py); not yet run on a GPU
-or on a 7B model (see recipes/qlora_7b/README.md).
+Status: run end to end on CPU only, on a tiny random Llama in nf4 (tests/recipes/test_qlora_recipe.py); not yet run on a
+GPU or on a 7B model (see recipes/qlora_7b/README.md).
 """
 
 from __future__ import annotations

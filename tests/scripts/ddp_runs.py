@@ -1,5 +1,5 @@
-"""PPO runs on tiny models for tests/test_scale_out.py, under `accelerate launch` (2 CPU processes; DDP, DeepSpeed
-ZeRO-2/3 or FSDP2) or as one process.
+"""PPO runs on tiny models for tests/trainer/test_scale_out.py, under `accelerate launch` (2 CPU processes; DDP,
+DeepSpeed ZeRO-2/3 or FSDP2) or as one process.
 
     python tests/scripts/ddp_runs.py --out DIR --runs matched             # one process
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 tests/scripts/ddp_runs.py --out DIR \

@@ -1,10 +1,10 @@
-"""One PPO update (`PPOTrainer.ppo_update`) on a fixed rollout, for tests/test_token_mean.py.
+"""One PPO update (`PPOTrainer.ppo_update`) on a fixed rollout, for tests/core/test_token_mean.py.
 
     python tests/scripts/token_mean_runs.py --rollout R.pt --out DIR --ga 1            # one process, every row
     ACCELERATE_USE_CPU=true accelerate launch --multi_gpu --num_processes 2 tests/scripts/token_mean_runs.py \
         --rollout R.pt --out DIR --ga 2                                                 # each process its rows
 
-`--config '{"loss_agg_mode": "token-sum"}'`: PPOConfig fields on top (tests/test_ppo_variants.py).
+`--config '{"loss_agg_mode": "token-sum"}'`: PPOConfig fields on top (tests/trainer/test_ppo_variants.py).
 
 `R.pt` holds a `Rollout` (as a dict of tensors) of B rows and the row split: process p updates on the rows
 `split[p]`. Every process builds the same models (same seeds); the main process writes `DIR/weights.pt`: the

@@ -7,7 +7,7 @@ import torch
 from torch.utils.data import Sampler
 
 
-class RolloutBatchSampler(Sampler[list[int]]):
+class PromptBatches(Sampler[list[int]]):
     """Yields, forever, this process's share of each rollout batch.
 
     Each data epoch e is a permutation of the dataset drawn from `seed + e`; it is cut into global batches of

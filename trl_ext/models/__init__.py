@@ -21,7 +21,7 @@ from .forward import (
     sequence_inputs,
 )
 from .generation import Sampling, TokenSampler, eval_mode, generate_responses, generation_config_of, sampling_config
-from .preparation import disable_bnb_cpu_repack, disable_dropout, is_quantized
+from .preparation import CHECKPOINTING_KWARGS, disable_bnb_cpu_repack, disable_dropout, is_quantized
 from .shared_base import CRITIC, POLICY, REWARD, SharedBaseModels, SharedRoleModel, build_shared_base
 from .value import (
     FrozenTrunk,
@@ -34,10 +34,10 @@ from .value import (
 )
 
 __all__ = [
-    "CRITIC", "LOGPROB_CHUNK", "POLICY", "REWARD", "FrozenTrunk", "PolicyAndValueWrapper", "Sampling",
-    "SharedBaseModels", "SharedRoleModel", "TokenSampler", "accepts_logits_to_keep", "build_shared_base",
-    "build_value_model", "disable_bnb_cpu_repack", "disable_dropout", "eval_mode", "freeze_backbone",
-    "generate_responses", "generation_config_of", "is_quantized", "lm_logits", "lora_for_quantized_value_model",
-    "model_input_ids", "position_ids_from_mask", "probe_batch", "response_logprobs", "sampling_config",
-    "scalar_head_outputs", "sequence_inputs",
+    "CHECKPOINTING_KWARGS", "CRITIC", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "PolicyAndValueWrapper", "REWARD",
+    "Sampling", "SharedBaseModels", "SharedRoleModel", "TokenSampler", "accepts_logits_to_keep",
+    "build_shared_base", "build_value_model", "disable_bnb_cpu_repack", "disable_dropout", "eval_mode",
+    "freeze_backbone", "generate_responses", "generation_config_of", "is_quantized", "lm_logits",
+    "lora_for_quantized_value_model", "model_input_ids", "position_ids_from_mask", "probe_batch",
+    "response_logprobs", "sampling_config", "scalar_head_outputs", "sequence_inputs",
 ]

@@ -30,7 +30,7 @@ def accepts_logits_to_keep(model: nn.Module) -> bool:
 
 
 @functools.cache
-def _forward_accepts_logits_to_keep(model_class: type) -> bool:  # inspect.signature costs ~1.5 ms: once per class
+def _forward_accepts_logits_to_keep(model_class: type) -> bool:  # inspect.signature is slow: once per class
     try:
         return "logits_to_keep" in inspect.signature(model_class.forward).parameters
     except (TypeError, ValueError):

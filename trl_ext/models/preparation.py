@@ -7,6 +7,9 @@ import torch.nn as nn
 
 from .forward import _underlying
 
+# gradient checkpointing's kwargs unless the config gives its own: non-reentrant, as peft's adapters need
+CHECKPOINTING_KWARGS = {"use_reentrant": False}
+
 
 def disable_bnb_cpu_repack(*models) -> int:
     """Set `support_avx512bf16_for_cpu = False` on every bitsandbytes `Linear4bit` of the given models; returns how

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .forward import lm_logits
-from .preparation import disable_bnb_cpu_repack
+from .preparation import CHECKPOINTING_KWARGS, disable_bnb_cpu_repack
 from .value import scalar_head_outputs
 
 POLICY, CRITIC, REWARD = "policy", "critic", "reward"  # adapter names of a shared base
@@ -159,7 +159,7 @@ class SharedBaseModels(nn.Module):
         if gradient_checkpointing_kwargs is not None:
             self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
         self.policy.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs or {"use_reentrant": False})
+            gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs or CHECKPOINTING_KWARGS)
 
     def gradient_checkpointing_disable(self):
         self.policy.gradient_checkpointing_disable()

@@ -25,9 +25,9 @@ frozen) are three models.
 How each activation term is derived (per token; h hidden, I intermediate, V vocab, S = prompt + response, a = bytes of
 the compute dtype) is written next to it below. The saved-for-backward count of a decoder layer was read off PyTorch's
 autograd graph (``torch.autograd.graph.saved_tensors_hooks``) for HF's Llama with peft LoRA (checked by
-tests/test_memory_planner.py for fp32, bf16, and bf16 under autocast). ``benchmarks/validate_memory_cpu.py`` compares
-the phase totals with measured peaks of scaled-down fp32 models on CPU (4 configurations: every phase, and so the peak,
-within 3.5%, 2026-11-30); ``benchmarks/memory_7b_gpu.py`` does the same for a 7B-shaped 4-bit model on a GPU
+tests/tools/test_memory_planner.py for fp32, bf16, and bf16 under autocast). ``benchmarks/validate_memory_cpu.py``
+compares the phase totals with measured peaks of scaled-down fp32 models on CPU (the errors: docs/results.md);
+``benchmarks/memory_7b_gpu.py`` does the same for a 7B-shaped 4-bit model on a GPU
 (not yet run). The bf16 GPU regime (autocast, 4-bit dequantization buffers, the CUDA headroom) is derived, not
 measured.
 """

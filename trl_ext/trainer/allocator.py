@@ -11,13 +11,11 @@ at max(32 MiB, largest_block) and never trims the heap, for the whole process, a
 that size) is served from the heap; blocks larger than that, which grow with batch and length (logits), are still
 mapped and given back.
 
-Measured by trl_ext's trainer on 2 cores (benchmarks/README.md), glibc's defaults / a 32 MiB threshold / also every
-block above 32 MiB kept (`MALLOC_MMAP_MAX_=0`): SmolLM2-135M, T = 32, update 5.0 / 4.3 / 3.7 s per iteration, peak
-memory level; the 49k-vocabulary tiny Llama at T = 256, iteration 7.3 / 6.9 / 5.4 s, peak growth 977 / 1007 / 1572
-MB. The last is faster but fragments the heap with the batch-sized blocks, so it is left to the environment:
-`MALLOC_MMAP_MAX_=0 MALLOC_TRIM_THRESHOLD_=<large>`, or jemalloc/tcmalloc through `LD_PRELOAD` (Intel's advice for
-PyTorch on CPU); where any of these is set, the trainer leaves the allocator alone. The resident size no longer
-shrinks after a peak. The threshold at the largest parameter: results in benchmarks/README.md.
+Keeping every block above 32 MiB as well (`MALLOC_MMAP_MAX_=0`) is faster still but fragments the heap with the
+batch-sized blocks, raising the peak, so it is left to the environment: `MALLOC_MMAP_MAX_=0
+MALLOC_TRIM_THRESHOLD_=<large>`, or jemalloc/tcmalloc through `LD_PRELOAD` (Intel's advice for PyTorch on CPU);
+where any of these is set, the trainer leaves the allocator alone. The resident size no longer shrinks after a peak.
+The three settings' times and peaks: docs/results.md.
 """
 
 from __future__ import annotations

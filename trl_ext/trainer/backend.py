@@ -78,8 +78,8 @@ def clip_role_grads_(params: list[nn.Parameter], max_norm: float, deepspeed: boo
     params = [p for p in params if p.requires_grad]
     # each process's part of each reduced gradient (ZeRO-3: its partition, DeepSpeed's local API; ZeRO-1/2: its
     # fragment, read as DeepSpeed's own full-gradient accessor reads it), the norm summed over the processes: the
-    # full-gradient accessors all-reduce every parameter, which made ZeRO-2 steps 1.5x slower, and the ZeRO-3 setter
-    # fails on padded partitions
+    # full-gradient accessors all-reduce every parameter once more per step, and the ZeRO-3 setter fails on padded
+    # partitions
     partial = True
     if any(hasattr(p, "ds_id") for p in params):
         local = [(g, functools.partial(safe_set_local_grad, p)) for p in params

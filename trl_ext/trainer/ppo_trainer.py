@@ -34,9 +34,10 @@ from transformers.utils import is_peft_available
 from .._trl import OnlineTrainerState, PPOTrainerBase
 from ..config import PPOConfig
 from ..core import make_kl_controller
-from ..data.batches import RolloutBatchSampler
+from ..data.batches import PromptBatches
 from ..data.prompts import LeftPaddingCollator, prepare_prompts
 from ..models import (
+    CHECKPOINTING_KWARGS,
     FrozenTrunk,
     PolicyAndValueWrapper,
     Sampling,
@@ -331,9 +332,9 @@ class PPOTrainer(PPOTrainerBase):
         else:
             self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
         if args.gradient_checkpointing:
-            # on the policy and the critic (one base for both when shared); non-reentrant, as peft needs
+            # on the policy and the critic (one base for both when shared)
             self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or {"use_reentrant": False})
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or CHECKPOINTING_KWARGS)
             if self.is_peft_model:
                 self.policy_model.enable_input_require_grads()
         self.model.config = self.policy_model.config
@@ -384,10 +385,10 @@ class PPOTrainer(PPOTrainerBase):
         """The rollout dataloader (one seeded permutation per data epoch, shared by all processes, each taking its
         slice) and each process's share of eval_dataset."""
         args, accelerator = self.args, self.accelerator
-        self.batch_sampler = RolloutBatchSampler(self.train_dataset_len, args.local_batch_size,
+        self.prompt_batches = PromptBatches(self.train_dataset_len, args.local_batch_size,
                                                  accelerator.num_processes, accelerator.process_index, args.seed)
         # (its own generator: creating the iterator must not draw from the global RNG that sampling uses)
-        self.dataloader = DataLoader(train_dataset, batch_sampler=self.batch_sampler, collate_fn=data_collator,
+        self.dataloader = DataLoader(train_dataset, batch_sampler=self.prompt_batches, collate_fn=data_collator,
                                      generator=torch.Generator().manual_seed(args.seed))
         self.eval_dataloader = None
         if eval_dataset is not None:
@@ -603,7 +604,7 @@ class PPOTrainer(PPOTrainerBase):
         self._init_state()
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
-        self.batch_sampler.start_batch = self.state.global_step  # iteration k uses global batch k
+        self.prompt_batches.start_batch = self.state.global_step  # iteration k uses global batch k
         batches = iter(self.dataloader)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
         if self.is_deepspeed_enabled:
@@ -659,7 +660,7 @@ class PPOTrainer(PPOTrainerBase):
     # ------------------------------------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the policy (its adapter, with peft) for inference, under DDP, DeepSpeed or FSDP2 (every process
-        calls this; TRL 1.12 crashed under DDP). A shared base saves `policy/` and `critic/` (peft adapters) and
+        calls this). A shared base saves `policy/` and `critic/` (peft adapters) and
         `value_head.safetensors`."""
         output_dir = output_dir or self.args.output_dir
         if self.shared is not None:

@@ -1,5 +1,5 @@
 """TRL 1.12's examples/scripts/ppo/ppo.py, step by step, as a TRL user runs it (written for these tests; the flags
-are TRL's). tests/test_trl_drop_in.py runs it with only the import line changed to trl_ext's, on offline stand-ins.
+are TRL's). tests/trl/test_trl_drop_in.py runs it with only the import line changed to trl_ext's, on offline stand-ins.
 
     python ppo.py --dataset_name DATA --dataset_train_split descriptiveness --output_dir OUT \
         --per_device_train_batch_size 4 --total_episodes 16 --model_name_or_path M --sft_model_path M \

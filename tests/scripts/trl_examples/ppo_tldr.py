@@ -1,5 +1,5 @@
 """TRL 1.12's examples/scripts/ppo/ppo_tldr.py, step by step, as a TRL user runs it (written for these tests; the
-flags are TRL's). tests/test_trl_drop_in.py runs it with only the import line changed to trl_ext's, on offline
+flags are TRL's). tests/trl/test_trl_drop_in.py runs it with only the import line changed to trl_ext's, on offline
 stand-ins.
 
     python ppo_tldr.py --dataset_name DATA --dataset_test_split validation --output_dir OUT \

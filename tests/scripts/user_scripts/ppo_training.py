@@ -1,7 +1,7 @@
 """A PPO training script as users wrote them for TRL's PPOTrainer (written for these tests, after four public
 projects' scripts: a domain fine-tune with a chat template, two course projects with a frozen local reward model, a
 LoRA-wrapped policy plus a full reference, a 4-bit base with the LoRA adapter of an SFT checkpoint, an eval split).
-It is written with TRL 1.12's import; tests/test_user_scripts.py runs it with trl_ext's import line instead, and
+It is written with TRL 1.12's import; tests/trl/test_user_scripts.py runs it with trl_ext's import line instead, and
 unchanged on TRL's own trainer.
 
     python ppo_training.py --model_name_or_path M --reward_model_path RM --dataset_name DATA --output_dir OUT

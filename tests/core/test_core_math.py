@@ -28,7 +28,7 @@ from trl_ext.core import (
     token_mean,
 )
 
-CORE_DIR = pathlib.Path(__file__).resolve().parents[1] / "trl_ext" / "core"
+CORE_DIR = pathlib.Path(__file__).resolve().parents[2] / "trl_ext" / "core"
 SEEDS = [0, 1, 2, 3, 4]
 
 

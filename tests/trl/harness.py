@@ -2,7 +2,7 @@
 TRL 1.12's, so each regression test asserts one behaviour against either.
 
 TRL_EXT_TEST_UPSTREAM=1 makes `PPOConfig`/`PPOTrainer` here TRL's own (`trl.experimental.ppo`): the regression tests
-then run against TRL's trainer, and each of them fails (tests/test_upstream_fails.py checks that they all do).
+then run against TRL's trainer, and each of them fails (tests/trl/test_upstream_fails.py checks that they all do).
 """
 
 from __future__ import annotations

@@ -22,7 +22,7 @@ from trl import get_peft_config
 
 from trl_ext import scripts
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "ppo_tldr.py"
 CONFIGS = REPO / "recipes" / "accelerate_configs"
 
@@ -113,7 +113,7 @@ def test_configs_readme_gives_each_launch_line_and_says_what_was_run():
     for name in EXPECTED_CONFIGS:
         assert f"accelerate launch --config_file recipes/accelerate_configs/{name} recipes/ppo_tldr.py" in readme
     assert "None of these configs has been run on a GPU" in readme
-    for test in re.findall(r"tests/(test_\w+\.py)::(test_\w+)", readme):  # every test it cites exists
+    for test in re.findall(r"tests/((?:\w+/)?test_\w+\.py)::(test_\w+)", readme):  # every test it cites exists
         assert f"def {test[1]}(" in (REPO / "tests" / test[0]).read_text(), test
 
 

@@ -18,7 +18,7 @@ import yaml
 from trl_ext.scripts import qlora
 from trl_ext.tools.memory import GIB, PRESETS, PlanConfig, estimate_memory, load_shape
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "ppo_qlora_7b.py"
 CONFIGS = sorted((REPO / "recipes" / "qlora_7b").glob("*.yaml"))
 

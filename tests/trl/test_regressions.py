@@ -1,5 +1,5 @@
 """One regression test per defect of TRL 1.12's PPOTrainer (issue 2). Each passes on trl_ext and fails on TRL:
-run `TRL_EXT_TEST_UPSTREAM=1 pytest tests/test_regressions.py` to see them fail there (test_upstream_fails.py does).
+run `TRL_EXT_TEST_UPSTREAM=1 pytest tests/trl/test_regressions.py` to see them fail there (test_upstream_fails.py does).
 """
 
 import warnings
@@ -284,7 +284,7 @@ def test_lora_under_two_processes_trains_and_saves(tmp_path):
     import sys
     from pathlib import Path
 
-    root = Path(__file__).resolve().parents[1]
+    root = Path(__file__).resolve().parents[2]
     source = (root / "tests" / "scripts" / "trl_ppo_script.py").read_text()
     script = tmp_path / "script.py"
     trl_import = "from trl.experimental.ppo import PPOConfig, PPOTrainer"

@@ -1,7 +1,7 @@
 """PPO scripts as users wrote them for TRL's PPOTrainer, run with trl_ext's import line (issue 27).
 
 tests/scripts/user_scripts/ppo_training.py follows four public projects' scripts; each command line below is one of
-them, cut to tiny sizes on the offline stand-ins (tests/trl_standins.py): a chat-template dataset with a tokenizer
+them, cut to tiny sizes on the offline stand-ins (tests/trl/trl_standins.py): a chat-template dataset with a tokenizer
 that pads on the right, `missing_eos_penalty=0.0`, `num_ppo_epochs=4` with gradient accumulation; a policy the user
 wrapped in LoRA with a full reference and an eval split evaluated every step; a 4-bit (nf4 on CPU) base with the LoRA
 adapter of an SFT checkpoint and a frozen 4-bit reference; a rule-based reward module. Under trl 1.12 the same
@@ -24,7 +24,7 @@ from transformers import AutoTokenizer, DataCollatorWithPadding
 from trl_ext import SIMPLE_CHAT_TEMPLATE, PPOConfig, PPOTrainer, get_kbit_device_map
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 SCRIPT = ROOT / "tests" / "scripts" / "user_scripts" / "ppo_training.py"
 TRL_IMPORT = "from trl.experimental.ppo import PPOConfig, PPOTrainer"
 OUR_IMPORT = "from trl_ext import PPOConfig, PPOTrainer"

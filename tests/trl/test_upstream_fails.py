@@ -1,6 +1,6 @@
 """Every regression test in test_regressions.py fails against TRL 1.12's own PPOTrainer.
 
-This runs that file with TRL_EXT_TEST_UPSTREAM=1 (tests/harness.py then hands the tests TRL's PPOConfig and
+This runs that file with TRL_EXT_TEST_UPSTREAM=1 (tests/trl/harness.py then hands the tests TRL's PPOConfig and
 PPOTrainer) and checks that no test passes there, and that it runs as many tests as here.
 """
 
@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 @pytest.mark.slow
@@ -20,7 +20,7 @@ ROOT = Path(__file__).resolve().parents[1]
 def test_every_regression_test_fails_on_trl(tmp_path):
     report = tmp_path / "upstream.xml"
     env = {**os.environ, "TRL_EXT_TEST_UPSTREAM": "1", "TRL_EXPERIMENTAL_SILENCE": "1"}
-    subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests" / "test_regressions.py"), "-q",
+    subprocess.run([sys.executable, "-m", "pytest", str(ROOT / "tests" / "trl" / "test_regressions.py"), "-q",
                     "-p", "no:cacheprovider", f"--junitxml={report}"], env=env, cwd=ROOT, capture_output=True,
                    text=True, timeout=900)
     cases = ET.parse(report).getroot().iter("testcase")

@@ -37,7 +37,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 CONFIGS = ROOT / "recipes" / "accelerate_configs"
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 

@@ -5,7 +5,7 @@ from pathlib import Path
 import nbformat
 import pytest
 
-NOTEBOOKS_DIR = Path(__file__).resolve().parent.parent / "notebooks"
+NOTEBOOKS_DIR = Path(__file__).resolve().parents[2] / "notebooks"
 NOTEBOOKS = sorted(NOTEBOOKS_DIR.glob("*.ipynb"))
 CLOSED_FORM = NOTEBOOKS_DIR / "02_closed_form_check.ipynb"
 

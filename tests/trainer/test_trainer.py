@@ -14,7 +14,7 @@ from trl_ext import PPOConfig, PPOTrainer, Rollout
 from trl_ext._trl import PPOTrainerBase
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 TRL_SCRIPT = ROOT / "tests" / "scripts" / "trl_ppo_script.py"
 TRL_IMPORT = "from trl.experimental.ppo import PPOConfig, PPOTrainer"
 

@@ -18,7 +18,7 @@ from matplotlib.figure import Figure
 from trl_ext.monitoring.report import PANEL_TITLES, load_metrics, make_dashboard, report, summarize
 from trl_ext.tools.cli import main
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 PNG_MAGIC = b"\x89PNG\r\n\x1a\n"
 N_STEPS = 30
 ALARMS = {12: "kl_blowup", 22: "reward_hacking"}

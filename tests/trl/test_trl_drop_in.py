@@ -1,5 +1,5 @@
 """TRL's own PPO tests and example scripts with only the import line changed (issue 12, item 9), on offline
-stand-ins of TRL's tiny test models and datasets (tests/trl_standins.py).
+stand-ins of TRL's tiny test models and datasets (tests/trl/trl_standins.py).
 
 - `TestPPOTrainer` follows TRL 1.12's tests/experimental/test_ppo_trainer.py (`test_basic_training`,
   `test_peft_training`): the same models, tokenizer setup (left padding, `[PAD]` added: an id the models do not
@@ -22,7 +22,7 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 
 from trl_ext import PPOConfig, PPOTrainer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 EXAMPLES = ROOT / "tests" / "scripts" / "trl_examples"
 TRL_IMPORT = "from trl.experimental.ppo import PPOConfig, PPOTrainer"
 OUR_IMPORT = "from trl_ext import PPOConfig, PPOTrainer"

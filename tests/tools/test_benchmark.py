@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 _spec = importlib.util.spec_from_file_location("bench_vs_trl", ROOT / "benchmarks" / "bench_vs_trl.py")
 bench = importlib.util.module_from_spec(_spec)
 sys.modules["bench_vs_trl"] = bench  # dataclasses look their module up

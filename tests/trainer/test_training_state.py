@@ -17,7 +17,7 @@ from transformers import TrainerCallback
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def config(tmp_path, **kw):
@@ -277,7 +277,7 @@ make_trainer(config({out!r}, save_strategy="steps", save_steps=1)).train()
 def test_sigkill_during_a_save_leaves_the_previous_checkpoint_and_resume_works(tmp_path):
     out = tmp_path / "run"
     script = tmp_path / "kill_me.py"
-    script.write_text(KILL_SCRIPT.format(tests=str(ROOT / "tests"), out=str(out)))
+    script.write_text(KILL_SCRIPT.format(tests=str(ROOT / "tests" / "trainer"), out=str(out)))
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
     proc = subprocess.Popen([sys.executable, str(script)], env=env, cwd=ROOT, stdout=subprocess.DEVNULL,
                             stderr=subprocess.PIPE, text=True)

@@ -21,7 +21,7 @@ from trl_ext.tools.memory import (
     quantized_bytes_per_param,
 )
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 RECIPES = os.path.join(ROOT, "recipes", "qlora_7b")
 TINY = ModelShape("tiny", hidden_size=8, intermediate_size=16, num_hidden_layers=2, num_attention_heads=2,
                   num_key_value_heads=1, vocab_size=10)

@@ -18,7 +18,8 @@ from trl_ext.ppo_base import PPOConfigBase as OwnConfigBase
 from trl_ext.ppo_base import PPOTrainerBase as OwnTrainerBase
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
-SNAPSHOT = json.loads((Path(__file__).parent / "data" / "trl_1_12_ppo_config_defaults.json").read_text())["defaults"]
+SNAPSHOT = json.loads((Path(__file__).parents[1] / "data" / "trl_1_12_ppo_config_defaults.json").read_text())[
+    "defaults"]
 
 
 def defaults(config_class) -> dict:

@@ -18,7 +18,7 @@ from transformers import TrainerControl, TrainerState, TrainingArguments
 
 from trl_ext.monitoring.callbacks import MetricsFileCallback
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "ppo_smollm2_lora.py"
 
 

@@ -13,7 +13,7 @@ import random
 
 import pytest
 
-CORE_DIR = pathlib.Path(__file__).resolve().parents[1] / "trl_ext" / "core"
+CORE_DIR = pathlib.Path(__file__).resolve().parents[2] / "trl_ext" / "core"
 _spec = importlib.util.spec_from_file_location("_kl_control_under_test", CORE_DIR / "kl_control.py")
 kc = importlib.util.module_from_spec(_spec)
 _spec.loader.exec_module(kc)

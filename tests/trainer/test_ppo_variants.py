@@ -2,7 +2,7 @@
 length-adaptive GAE λ, the MSE / Huber value loss and the vf_coef schedule. Each against hand-computed numbers and a
 plain reference loop; the trainer's update with them against a plain-PyTorch reference for gradient accumulation 1,
 2 and 4 (and 2 processes: slow); a short PPO run with each trains. Unset, each is TRL 1.12's PPO (the TRL parity
-tests and tests/test_token_mean.py cover that path)."""
+tests and tests/core/test_token_mean.py cover that path)."""
 
 import json
 import math
@@ -30,7 +30,7 @@ from trl_ext.core import (
 from trl_ext.monitoring.diagnostics import update_metrics
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 import token_mean_runs as runs  # noqa: E402
@@ -104,7 +104,7 @@ def test_seq_mean_token_sum_norm_divides_by_the_configured_length():
 
 def test_value_loss_types_by_hand():
     """V = (0.5, 2.0, 0.1), R = (1, 1, −1), V_old = 0: mse ½(0.25, 1, 1.21); Huber δ = 0.5: |x| = 0.5 → ½·0.25,
-    1 → 0.5·(1 − 0.25), 1.1 → 0.5·(1.1 − 0.25); the clipped loss (c = 0.2) as tests/test_core_math.py."""
+    1 → 0.5·(1 − 0.25), 1.1 → 0.5·(1.1 − 0.25); the clipped loss (c = 0.2) as tests/core/test_core_math.py."""
     values = torch.tensor([[0.5, 2.0, 0.1]], requires_grad=True)
     old, returns, mask = torch.zeros(1, 3), torch.tensor([[1.0, 1.0, -1.0]]), torch.ones(1, 3, dtype=torch.bool)
     mse, stats = value_loss(values, old, returns, mask, "mse")

@@ -1,6 +1,6 @@
 """trl_ext/trainer/backend.py on one process: the DeepSpeed config it writes, per-role clipping (also through
 DeepSpeed's gradient accessors, with a loss scale), the frozen optimizer groups of critic warmup, and the layer classes
-FSDP wraps. The engines themselves run in tests/test_scale_out.py (2 CPU processes)."""
+FSDP wraps. The engines themselves run in tests/trainer/test_scale_out.py (2 CPU processes)."""
 
 from types import SimpleNamespace
 

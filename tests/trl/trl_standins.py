@@ -71,8 +71,8 @@ def _write_dataset(folder: Path, configs: dict[str, dict[str, list[dict]]]) -> N
             path.parent.mkdir(parents=True, exist_ok=True)
             path.write_text("".join(json.dumps(row) + "\n" for row in rows))
             lines += [f"  - split: {split}", f"    path: {config}/{split}.jsonl"]
-    (folder / "README.md").write_text("\n".join(lines + ["---", "Offline stand-in written by tests/trl_standins.py.",
-                                                         ""]))
+    note = "Offline stand-in written by tests/trl/trl_standins.py."
+    (folder / "README.md").write_text("\n".join(lines + ["---", note, ""]))
 
 
 def build(folder) -> dict[str, str]:

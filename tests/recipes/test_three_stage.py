@@ -17,7 +17,7 @@ import pytest
 from trl_ext.monitoring import report
 from trl_ext.scripts import preferences
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 RECIPE = REPO / "recipes" / "ppo_three_stage.py"
 
 

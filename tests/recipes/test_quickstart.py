@@ -17,7 +17,7 @@ import pytest
 from trl_ext.monitoring.report import run_summary
 from trl_ext.scripts import sentiment
 
-REPO = pathlib.Path(__file__).resolve().parents[1]
+REPO = pathlib.Path(__file__).resolve().parents[2]
 RECIPES = REPO / "recipes"
 RECIPE = RECIPES / "ppo_smollm2_sentiment.py"
 
