@@ -137,7 +137,7 @@ class PPOTrainer(PPOTrainerBase):
         self._setup_dataloaders(train_dataset, eval_dataset, data_collator)
         self._prepare_models()
         self._place_frozen_models()
-        self._setup_value_trunk()
+        self._setup_trunk()
         # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
         self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
         self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
@@ -425,7 +425,7 @@ class PPOTrainer(PPOTrainerBase):
         self.reference = Reference(self.ref_model, self.shared, self.is_peft_model, self.ref_adapter_name,
                                    self.model_adapter_name, self.args.temperature)
 
-    def _setup_value_trunk(self) -> None:
+    def _setup_trunk(self) -> None:
         """The critic's frozen lower layers run once per rollout, not again in each minibatch (`FrozenTrunk`); not
         with a shared base (one backbone for both roles) or under DeepSpeed/FSDP (their engines own the layers).
         Where the reference holds those same weights (a critic built from the policy's checkpoint, the reference the
