@@ -385,8 +385,8 @@ class PPOTrainer(PPOTrainerBase):
         """The rollout dataloader (one seeded permutation per data epoch, shared by all processes, each taking its
         slice) and each process's share of eval_dataset."""
         args, accelerator = self.args, self.accelerator
-        self.prompt_batches = PromptBatches(self.train_dataset_len, args.local_batch_size,
-                                                 accelerator.num_processes, accelerator.process_index, args.seed)
+        self.prompt_batches = PromptBatches(self.train_dataset_len, args.local_batch_size, accelerator.num_processes,
+                                            accelerator.process_index, args.seed)
         # (its own generator: creating the iterator must not draw from the global RNG that sampling uses)
         self.dataloader = DataLoader(train_dataset, batch_sampler=self.prompt_batches, collate_fn=data_collator,
                                      generator=torch.Generator().manual_seed(args.seed))
