@@ -22,9 +22,6 @@ class RewardBatch:
     trainer_state: Any = None
     _cache: dict = field(default_factory=dict, repr=False)
 
-    def __len__(self) -> int:
-        return self.queries.shape[0]
-
     @property
     def inputs(self) -> dict[str, torch.Tensor]:
         """The policy's ids of query + response, with their attention mask and position ids."""

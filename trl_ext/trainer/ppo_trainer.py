@@ -514,7 +514,7 @@ class PPOTrainer(PPOTrainerBase):
         groups (trl_ext/trainer/backend.py)."""
         optimizer = super().create_optimizer(model)
         critic_lr = self.args.critic_learning_rate
-        value_ids = {id(p) for p in self.accelerator.unwrap_model(self.model).value_parameters()}
+        value_ids = {id(p) for p in self.unwrapped.value_parameters()}
         groups = []
         for group in optimizer.param_groups:
             settings = {k: v for k, v in group.items() if k != "params"}

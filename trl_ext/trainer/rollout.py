@@ -175,7 +175,7 @@ class RolloutPhase:
         """Score conditioning: normalise (running statistics over all processes) and clip, then the stop penalty."""
         args = self.args
         if args.reward_norm == "running":
-            self.reward_normalizer.update(self.backend.accelerator.gather(scores))
+            self.reward_normalizer.update(self.backend.gather(scores))
         scores = self.reward_normalizer.normalize(scores)
         if args.missing_eos_penalty is not None:
             stopped = ((responses == self.stop_token_id) & response_mask).any(dim=1)
