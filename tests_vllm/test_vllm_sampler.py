@@ -60,6 +60,20 @@ def test_engine_logprobs_are_the_trainers_before_and_after_a_sync(lora, tmp_path
     check(sampler, policy, tok)
 
 
+def test_a_sync_through_files_reaches_the_engine(tmp_path):
+    # vllm_tensor_parallel_size > 1 on one process: the engine's workers are processes of their own and read the
+    # weights from files; the same route, forced on this in-process engine, must give the trainer's log-probs
+    tok, policy, sampler = tiny_engine(lora=False)
+    sampler.weights_by_file = True
+    with torch.no_grad():
+        for p in policy.parameters():
+            p.add_(0.3 * torch.randn_like(p))
+    _, stale = check(sampler, policy, tok, atol=float("inf"))
+    assert stale > 1e-2
+    sampler.sync(policy)
+    check(sampler, policy, tok)
+
+
 def _within(seconds, fn):
     """fn() in a daemon thread: a generate sent to a sleeping (paused) engine would wait forever."""
     import threading

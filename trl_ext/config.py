@@ -1,8 +1,9 @@
 """`trl_ext.PPOConfig`: TRL's PPOConfig, every field with its TRL meaning, plus validation and trl_ext's fields.
 
 Differences from TRL 1.12 (each one a reported defect):
-- `bf16` left unset resolves to True only where bf16 can run (a CUDA device that supports it). TRL resolves it to True
-  everywhere, so `PPOConfig(output_dir=...)` raises on a CPU-only machine. An explicit `bf16=True` is never changed.
+- `bf16` left unset resolves to True only where the GPU computes in bf16 (compute capability 8.0+: `bf16_in_hardware`;
+  False on T4/V100, which take fp16=True). TRL resolves it to True everywhere, so `PPOConfig(output_dir=...)` raises on
+  a CPU-only machine. An explicit `bf16=True` is never changed (on a GPU without bf16 units it warns).
 - `stop_token` left unset means "stop at the tokenizer's EOS" (TRL: generation ignores EOS and the reward model scores
   the text after it). `stop_token="none"` opts out explicitly; `stop_token_id` still picks any other token.
 - `kl_estimator` also accepts "k2".
@@ -11,6 +12,7 @@ Differences from TRL 1.12 (each one a reported defect):
 
 import json
 import math
+import warnings
 from dataclasses import dataclass, field
 
 import torch
@@ -26,8 +28,15 @@ VALUE_MODEL_INITS = ("given", "reward_model", "policy")
 VALUE_HEAD_INITS = ("zero", "keep")
 
 
-def _bf16_available() -> bool:
-    return torch.cuda.is_available() and torch.cuda.is_bf16_supported()
+def bf16_in_hardware() -> bool:
+    """A CUDA GPU that computes in bf16 natively: compute capability 8.0+ (A100, RTX 30xx and newer), or a ROCm GPU.
+    Not torch.cuda.is_bf16_supported(): it also counts emulation, True on T4 and V100 (7.5, 7.0), where bf16 runs
+    without tensor cores and fp16 is the fast half precision."""
+    if not torch.cuda.is_available():
+        return False
+    if torch.version.hip:
+        return torch.cuda.is_bf16_supported()
+    return torch.cuda.get_device_capability() >= (8, 0)
 
 
 def _check(ok: bool, message: str) -> None:
@@ -294,7 +303,12 @@ class PPOConfig(PPOConfigBase):
         if self.vllm_importance_sampling_correction is None:  # no π_old / π_sampler when π_old is the sampler's
             self.vllm_importance_sampling_correction = self.use_vllm and self.rollout_logprobs != "sampler"
         if self.bf16 is None:
-            self.bf16 = (not self.fp16) and _bf16_available()
+            self.bf16 = (not self.fp16) and bf16_in_hardware()
+        elif self.bf16 and not self.use_cpu and torch.cuda.is_available() and not bf16_in_hardware():
+            warnings.warn(f"bf16=True on {torch.cuda.get_device_name()} (compute capability "
+                          f"{'.'.join(map(str, torch.cuda.get_device_capability()))}), which has no bf16 units: "
+                          "torch emulates it, several times slower than fp16. Use fp16=True (the trained weights "
+                          "stay fp32, a GradScaler scales the loss).", stacklevel=2)
         self._validate()
         super().__post_init__()
 

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import os
 import textwrap
+import warnings
 from dataclasses import dataclass, field
 
 from transformers import Trainer, TrainerState, TrainingArguments
@@ -125,8 +126,13 @@ class PPOTrainerBase(Trainer):
                           tags: str | list[str] | None = None) -> None:
         """`output_dir/README.md`: the model card TRL's trainers write (base model, tags, how to cite PPO)."""
         from transformers import is_wandb_available
-        from trl.trainer.utils import generate_model_card, get_comet_experiment_url, get_trackio_space_url
 
+        try:  # TRL's model-card helpers are not public API: a TRL that moved them gets no card, not a failed save
+            from trl.trainer.utils import generate_model_card, get_comet_experiment_url, get_trackio_space_url
+        except ImportError as error:
+            warnings.warn(f"No model card written: this trl has no trl.trainer.utils.generate_model_card ({error}).",
+                          stacklevel=2)
+            return
         if not self.is_world_process_zero():
             return
         name_or_path = getattr(self.model.config, "_name_or_path", None)

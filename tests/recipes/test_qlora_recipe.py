@@ -155,7 +155,7 @@ def test_argument_errors_name_the_fix(tmp_path, monkeypatch):
     with pytest.raises(ValueError, match="--value_model_path is for layout separate"):
         parse(config, "--compute_dtype", "fp32", "--value_model_path", "rm", tmp_path=tmp_path)
     # bf16 autocast where there is no bf16 GPU: named, with the two fixes
-    monkeypatch.setattr("transformers.utils.is_torch_bf16_gpu_available", lambda: False)
+    monkeypatch.setattr("trl_ext.config.bf16_in_hardware", lambda: False)
     with pytest.raises(ValueError, match="compute_dtype=bf16.*--compute_dtype fp16.*--compute_dtype fp32"):
         parse(config, tmp_path=tmp_path)
     for use_cpu in (["--use_cpu"], ["--use_cpu", "True"], ["--use_cpu=true"]):  # TrainingArguments' CPU bf16

@@ -71,6 +71,26 @@ def seeded_generate(policy, queries, query_mask, sampling, chunk_size):
 
 
 @contextmanager
+def forward_dtypes():
+    """Inside: the set of ("policy" | "value", dtype) that the update's loss terms receive from the trained module."""
+    from trl_ext.trainer import update
+
+    seen, policy_terms, value_terms = set(), update.policy_terms, update.value_terms
+
+    def record(role, original):
+        def terms(tensor, *args):
+            seen.add((role, str(tensor.dtype)))
+            return original(tensor, *args)
+        return terms
+
+    update.policy_terms, update.value_terms = record("policy", policy_terms), record("value", value_terms)
+    try:
+        yield seen
+    finally:
+        update.policy_terms, update.value_terms = policy_terms, value_terms
+
+
+@contextmanager
 def matched_sampling():
     def draw(self, policy, queries, query_mask):  # ResponseSampler.draw: the one call of HF generate
         with self.backend.accelerator.autocast():
@@ -167,6 +187,24 @@ def build_shared(out_dir: str, per_device: int, steps: int, callbacks=(), **over
                       callbacks=list(callbacks))
 
 
+def build_quantized(out_dir: str, per_device: int) -> PPOTrainer:
+    """The separate layout with a 4-bit policy (LoRA on nf4) beside whole reward and value models
+    (`recipes/ppo_tldr.py --use_peft --load_in_4bit`)."""
+    tok = tiny_tokenizer()
+    args = PPOConfig(output_dir=out_dir, per_device_train_batch_size=per_device, total_episodes=GLOBAL_BATCH,
+                     response_length=6, report_to=[], save_strategy="no", num_sample_generations=0, bf16=False,
+                     disable_tqdm=True)
+    folder = os.path.join(out_dir, "base")
+    if args.process_index == 0:
+        tiny_causal_lm(tok, seed=0, hidden_size=64, intermediate_size=128).save_pretrained(folder)
+    PartialState().wait_for_everyone()
+    _, reward_model, value_model = whole_models(tok, 0.0)
+    return PPOTrainer(args=args, processing_class=tok, model=quantized_4bit(AutoModelForCausalLM, folder),
+                      ref_model=None, reward_model=reward_model, value_model=value_model,
+                      train_dataset=tiny_prompt_dataset(tok, n=3 * GLOBAL_BATCH, seed=1),
+                      peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
+
+
 def flat(module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
 
@@ -224,9 +262,19 @@ def run(name: str, out: str) -> dict:
         with matched_sampling():
             t = build_shared(run_dir, per_device, MATCHED_STEPS)
             t.train()
-    elif name == "shared_refused":  # under DeepSpeed / FSDP: a clear error, no run
+    elif name == "shared_autocast":  # bf16: the policy's logits and the critic's values in the compute dtype
+        with forward_dtypes() as seen:
+            t = build_shared(run_dir, per_device, 2, bf16=True, use_cpu=True)
+            t.train()
+        result = {"dtypes": sorted(seen)}
+        torch.save(result, os.path.join(out, f"{name}.rank{t.accelerator.process_index}.pt"))
+        if t.accelerator.is_main_process:
+            torch.save(result, os.path.join(out, f"{name}.pt"))
+        t.accelerator.wait_for_everyone()
+        return result
+    elif name in ("shared_refused", "quantized_refused"):  # under DeepSpeed / FSDP: a clear error, no run
         try:
-            build_shared(run_dir, per_device, 1)
+            build_shared(run_dir, per_device, 1) if name == "shared_refused" else build_quantized(run_dir, per_device)
         except ValueError as error:
             result = {"error": str(error)}
         else:
@@ -248,7 +296,7 @@ def run(name: str, out: str) -> dict:
             t.train(resume_from_checkpoint=os.path.join(interrupted, "checkpoint-2"))
     else:
         raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, matched_trunk, warmup, loaded, "
-                         "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched")
+                         "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast")
     result = summary(t) | {"initial": initial}
     if t.accelerator.is_main_process:
         torch.save(result, os.path.join(out, f"{name}.pt"))

@@ -7,6 +7,7 @@ import torch
 
 from trl_ext import PPOConfig
 from trl_ext._trl import PPOConfigBase
+from trl_ext.config import bf16_in_hardware
 
 
 def test_is_trl_config_with_every_trl_field():
@@ -18,8 +19,37 @@ def test_is_trl_config_with_every_trl_field():
 
 def test_default_bf16_does_not_fail_without_a_gpu(tmp_path):
     args = PPOConfig(output_dir=str(tmp_path))
-    assert args.bf16 is (torch.cuda.is_available() and torch.cuda.is_bf16_supported())
+    assert args.bf16 is bf16_in_hardware()
     assert args.stop_token is None and args.kl_estimator == "k1"
+
+
+def fake_gpu(monkeypatch, capability: tuple[int, int], name: str):
+    """A CUDA GPU of `capability` as torch reports it; torch.cuda.is_bf16_supported() says True, as it does on T4 and
+    V100 (it counts emulation)."""
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "get_device_capability", lambda *a: capability)
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda *a: name)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *a, **k: True)
+    monkeypatch.setattr(torch.version, "hip", None)
+
+
+@pytest.mark.parametrize("capability, name, native", [((7, 5), "Tesla T4", False), ((7, 0), "Tesla V100", False),
+                                                      ((8, 0), "A100", True), ((8, 9), "RTX 4090", True)])
+def test_bf16_is_native_from_compute_capability_8(monkeypatch, capability, name, native):
+    fake_gpu(monkeypatch, capability, name)
+    assert bf16_in_hardware() is native
+
+
+def test_unset_bf16_is_off_on_a_t4_and_explicit_bf16_there_warns(monkeypatch, tmp_path):
+    fake_gpu(monkeypatch, (7, 5), "Tesla T4")
+    # PPOConfig's own resolution, before TrainingArguments (which would look for a real GPU) runs
+    monkeypatch.setattr("trl_ext.config.PPOConfigBase.__post_init__", lambda self: None)
+    assert PPOConfig(output_dir=str(tmp_path)).bf16 is False
+    assert PPOConfig(output_dir=str(tmp_path), fp16=True).bf16 is False
+    with pytest.warns(UserWarning, match=r"bf16=True on Tesla T4 \(compute capability 7.5\).*fp16=True"):
+        assert PPOConfig(output_dir=str(tmp_path), bf16=True).bf16 is True
+    fake_gpu(monkeypatch, (8, 0), "A100")
+    assert PPOConfig(output_dir=str(tmp_path)).bf16 is True
 
 
 def test_explicit_bf16_is_kept(tmp_path):

@@ -79,6 +79,22 @@ def test_dropping_a_roles_gradients(deepspeed):
         assert p.grad is None if not deepspeed else torch.count_nonzero(p.grad) == 0
 
 
+def test_a_process_holding_no_part_of_a_role_all_reduces_a_zero_on_the_training_device(monkeypatch):
+    # ZeRO-1/2 without a fragment of this role on this process: its zero joins the norm's all-reduce, and NCCL takes
+    # tensors on the GPU only, so the zero is made on the training device ("meta" stands in for cuda here)
+    class Reduced(Exception):
+        pass
+
+    def all_reduce(tensor):
+        raise Reduced(tensor.device)
+
+    monkeypatch.setattr(torch.distributed, "all_reduce", all_reduce)
+    params = [torch.nn.Parameter(torch.randn(3))]  # no gradient, no DeepSpeed fragment on this process
+    with pytest.raises(Reduced) as reduced:
+        clip_role_grads_(params, 1.0, deepspeed=True, device=torch.device("meta"))
+    assert reduced.value.args[0] == torch.device("meta")
+
+
 def test_frozen_groups_leave_the_policy_and_its_optimizer_state_untouched():
     """What ZeRO-1/2 hands the torch optimizer: one tensor per group. The policy's group steps at learning rate 0 with
     zero gradients (weight decay on): its weights are bit-identical and its Adam state is gone afterwards, as if the

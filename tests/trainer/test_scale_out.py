@@ -55,8 +55,9 @@ ENGINES = {
 RUNS = ["matched", "matched_lora", "matched_trunk", "warmup", "loaded", "straight", "interrupted", "resumed"]
 # a shared 4-bit base: trained under DDP; refused with an error under ZeRO-2 and FSDP2 (neither can shard 4-bit
 # weights); under ZeRO-3 the 4-bit base cannot even load (loading it partitioned hangs, before trl_ext is reached)
-SHARED_RUNS = {"ddp": ["shared_matched", "shared_straight", "shared_interrupted", "shared_resumed"],
-               "zero2": ["shared_refused"], "zero3": [], "fsdp2": ["shared_refused"]}
+SHARED_RUNS = {"ddp": ["shared_matched", "shared_straight", "shared_interrupted", "shared_resumed", "shared_autocast"],
+               "zero2": ["shared_refused", "quantized_refused"], "zero3": [],
+               "fsdp2": ["shared_refused", "quantized_refused"]}
 PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526}
 
 # Differ between 2 processes and 1 by construction, not by a fault:
@@ -179,6 +180,23 @@ def test_a_shared_4bit_base_on_two_processes_matches_one_process(launched, one_p
 def test_a_shared_4bit_base_is_refused_by_sharding_engines(launched):
     _, results, _ = launched
     assert "cannot be sharded by DeepSpeed or FSDP" in results["shared_refused"]["error"]
+
+
+@pytest.mark.parametrize("launched", ["zero2", "fsdp2"], indirect=True)
+def test_a_4bit_policy_beside_its_own_critic_is_refused_by_sharding_engines(launched):
+    _, results, _ = launched
+    error = results["quantized_refused"]["error"]
+    assert error is not None and "4-bit/8-bit" in error and "cannot be sharded" in error, error
+
+
+@pytest.mark.parametrize("launched", ["ddp"], indirect=True)
+def test_a_shared_base_on_two_processes_runs_under_autocast(launched):
+    # the shared base is not wrapped by accelerate on several processes; its forwards still run in bf16 autocast,
+    # and the logits and values reach the losses in bf16 (no fp32 copy), on every process
+    _, _, out = launched
+    for rank in (0, 1):
+        seen = torch.load(out / f"shared_autocast.rank{rank}.pt")["dtypes"]
+        assert seen == [("policy", "torch.bfloat16"), ("value", "torch.bfloat16")], (rank, seen)
 
 
 def test_critic_warmup_leaves_the_policy_bit_identical(launched):

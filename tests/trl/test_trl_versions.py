@@ -117,3 +117,55 @@ def test_the_model_card_of_trl_exts_own_base(tmp_path):
     Card(PPOConfig(output_dir=str(tmp_path), report_to=[]), tiny_causal_lm(tok)).create_model_card(model_name="run")
     card = (tmp_path / "README.md").read_text()
     assert "model_name: run" in card and "- ppo" in card and "1909.08593" in card
+
+
+def _requirement(name: str) -> str:
+    import tomllib
+
+    deps = tomllib.loads((Path(__file__).parents[2] / "pyproject.toml").read_text())["project"]["dependencies"]
+    (spec,) = [d for d in deps if d.split(">")[0].split("<")[0].split("=")[0].strip() == name]
+    return spec
+
+
+def test_trl_has_no_upper_bound_so_a_newer_trl_is_never_downgraded():
+    from packaging.requirements import Requirement
+
+    spec = Requirement(_requirement("trl")).specifier
+    assert Version("1.12.0") in spec and Version("1.11.0") not in spec
+    assert all(Version(v) in spec for v in ("1.16.0", "1.17.0", "1.18.0", "2.0.0")), spec
+
+
+@pytest.mark.parametrize("installed, warns", [("1.12.0", False), ("1.16.0", False), ("1.16.3", False),
+                                              ("1.17.0", True), ("1.18.1", True), ("2.0.0", True)])
+def test_a_trl_newer_than_the_newest_tested_warns_naming_it(installed, warns):
+    from trl_ext._trl import NEWEST_TESTED_TRL, warn_if_untested
+
+    if warns:
+        with pytest.warns(UserWarning, match=rf"trl {installed} is newer than {NEWEST_TESTED_TRL}.*trl<1\.17"):
+            assert warn_if_untested(Version(installed))
+    else:
+        assert not warn_if_untested(Version(installed))
+
+
+def test_the_torch_floor_is_one_transformers_enables():
+    # transformers 5's is_torch_available() is False below torch 2.6 (transformers/utils/import_utils.py), so a
+    # floor under it would let pip keep a torch on which nothing imports
+    from packaging.requirements import Requirement
+
+    spec = Requirement(_requirement("torch")).specifier
+    assert Version("2.5.1") not in spec and Version("2.6.0") in spec, spec
+
+
+def test_trl_ext_imports_only_trls_public_names_outside_its_trl_1_12_base():
+    # trl.experimental and module-internal paths move between releases; the base for trl 1.12 is the one exception
+    import ast
+
+    root = Path(__file__).parents[2] / "trl_ext"
+    private = []
+    for path in root.rglob("*.py"):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and (node.module or "").startswith("trl.") and path.name != "_trl.py":
+                if node.module not in ("trl.models",) and not (path.name == "ppo_base.py"
+                                                             and node.module == "trl.trainer.utils"):
+                    private.append(f"{path.relative_to(root)}: from {node.module}")
+    assert private == [], private

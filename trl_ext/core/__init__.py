@@ -27,6 +27,7 @@ from .masks import (
     masked_mean,
     masked_var,
     masked_whiten,
+    real_rows,
     response_mask_from_stop,
 )
 from .rewards import shape_rewards
@@ -56,6 +57,7 @@ __all__ = [
     "masked_mean",
     "masked_var",
     "masked_whiten",
+    "real_rows",
     "response_mask_from_stop",
     "shape_rewards",
     "token_logprobs",

@@ -207,13 +207,13 @@ def clipped_policy_loss(
         ratio_d = ratio.detach()
         clipped = pg_losses2 > pg_losses
         stats = {
-            "loss": masked_mean(per_token.detach(), response_mask),
-            "clipfrac": masked_mean(clipped.float(), response_mask),
-            "clipfrac_low": masked_mean((clipped & (advantages < 0)).float(), response_mask),
-            "clipfrac_high": masked_mean((clipped & (advantages > 0)).float(), response_mask),
-            "clipfrac_dual": masked_mean(dual.float(), response_mask),
-            "approxkl": masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask),
-            "ratio_mean": masked_mean(ratio_d, response_mask),
+            "loss": masked_mean(per_token.detach(), response_mask, strict=False),
+            "clipfrac": masked_mean(clipped.float(), response_mask, strict=False),
+            "clipfrac_low": masked_mean((clipped & (advantages < 0)).float(), response_mask, strict=False),
+            "clipfrac_high": masked_mean((clipped & (advantages > 0)).float(), response_mask, strict=False),
+            "clipfrac_dual": masked_mean(dual.float(), response_mask, strict=False),
+            "approxkl": masked_mean(torch.expm1(log_ratio) - log_ratio, response_mask, strict=False),
+            "ratio_mean": masked_mean(ratio_d, response_mask, strict=False),
             "ratio_max": ratio_d.masked_fill(~response_mask, float("-inf")).max(),
             "ratio_min": ratio_d.masked_fill(~response_mask, float("inf")).min(),
         }
@@ -282,9 +282,9 @@ def value_loss(
     loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denominator)
     with torch.no_grad():
         stats = {
-            "loss": masked_mean(per_token.detach(), response_mask),
-            "clipfrac": masked_mean(clipped.float(), response_mask),
-            "values_mean": masked_mean(values.detach(), response_mask),
+            "loss": masked_mean(per_token.detach(), response_mask, strict=False),
+            "clipfrac": masked_mean(clipped.float(), response_mask, strict=False),
+            "values_mean": masked_mean(values.detach(), response_mask, strict=False),
         }
     return loss, stats
 

@@ -43,19 +43,29 @@ def check_response_mask(response_mask: torch.Tensor, shape: torch.Size | None = 
         )
 
 
-def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None) -> torch.Tensor:
+def real_rows(ids: torch.Tensor, mask: torch.Tensor) -> list[list[int]]:
+    """(B, L) ids and bool mask -> the ids where the mask is True, one list per row: two device-to-host copies for
+    the whole batch (tokenizers and engines take lists), not one per row."""
+    return [[i for i, keep in zip(row, keep_row) if keep] for row, keep_row in zip(ids.tolist(), mask.tolist())]
+
+
+def masked_mean(values: torch.Tensor, mask: torch.Tensor, dim: int | None = None,
+                strict: bool = True) -> torch.Tensor:
     """Mean of `values` over entries where `mask` is True.
 
     Args:
         values: any shape, e.g. (B, T).
         mask: bool, same shape as values.
         dim: reduce only along this dim (e.g. 1 -> (B,) per-row means); None -> 0-dim mean over everything.
+        strict: check that every reduced slice selects an entry. The check reads a device value on the host (a GPU
+            stall); the training step's statistics pass False (their masks always select a token), where an empty
+            slice gives nan.
 
-    Raises ValueError if the mask (or, with `dim`, any slice of it) has no True entry: that mean is undefined.
+    Raises ValueError (strict) if the mask (or, with `dim`, any slice of it) has no True entry: that mean is undefined.
     """
     _check_mask(values, mask)
     count = mask.sum() if dim is None else mask.sum(dim)
-    if (count == 0).any():
+    if strict and (count == 0).any():
         where = "" if dim is None else f" in some slice along dim={dim}"
         raise ValueError(f"masked_mean: the mask selects no entries{where}; every reduced slice needs a True")
     masked = torch.where(mask, values, 0)

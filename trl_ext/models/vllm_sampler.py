@@ -26,6 +26,7 @@ import weakref
 import torch
 from torch import nn
 
+from ..core import real_rows
 from .forward import _underlying
 from .generation import Sampling
 
@@ -43,7 +44,8 @@ class VLLMSampler:
 
     def __init__(self, policy: nn.Module, tokenizer, sampling: Sampling, *, dtype: torch.dtype, seed: int,
                  max_model_len: int, gpu_memory_utilization: float = 0.3, tensor_parallel_size: int = 1,
-                 enable_sleep_mode: bool = False, kv_cache_gb: float | None = None, max_lora_rank: int = 64):
+                 enable_sleep_mode: bool = False, kv_cache_gb: float | None = None, max_lora_rank: int = 64,
+                 distributed: bool = False):
         os.environ.setdefault("VLLM_ENABLE_V1_MULTIPROCESSING", "0")
         from vllm import LLM
 
@@ -67,6 +69,17 @@ class VLLMSampler:
             kwargs["kv_cache_memory_bytes"] = int(kv_cache_gb * 2**30)
         if self.is_peft:
             kwargs.update(enable_lora=True, max_lora_rank=max_lora_rank, max_loras=1)
+        if distributed:
+            # each trainer process runs its own engine in-process on its own device (TRL's colocate mode does the
+            # same); vLLM's default executor would start a worker on device 0 for every process
+            if tensor_parallel_size > 1:
+                raise ValueError(f"vllm_tensor_parallel_size={tensor_parallel_size} with several trainer processes: "
+                                 "each process runs its own colocated engine, which cannot span processes here. "
+                                 "Set vllm_tensor_parallel_size=1 (one engine per process), or run one process.")
+            kwargs["distributed_executor_backend"] = "external_launcher"
+        # tensor parallel on one process: the engine's workers are processes of their own, which cannot read the
+        # trainer's tensors, so whole weights reach them as files (`sync`)
+        self.weights_by_file = tensor_parallel_size > 1
         self.llm = LLM(**kwargs)
         self.lora_request = None
         self.syncs = 0
@@ -92,7 +105,11 @@ class VLLMSampler:
             name = next(iter(policy.peft_config))
             self.lora_request = LoRARequest(f"policy-{self.syncs}", self.syncs, os.path.join(path, name)
                                             if name != "default" else path)
-        else:
+        elif self.weights_by_file:  # every worker reads the saved weights
+            path = os.path.join(self.folder, "weights")
+            _underlying(policy).save_pretrained(path)
+            self.llm.collective_rpc("reload_weights", kwargs={"weights_path": path})
+        else:  # the engine runs in this process: its model reads the trainer's tensors directly
             weights = [(k, v.detach()) for k, v in _underlying(policy).state_dict().items()]
             self.llm.collective_rpc("reload_weights", kwargs={"weights_iterator": iter(weights)})
 
@@ -108,7 +125,7 @@ class VLLMSampler:
 
         s, stop = self.sampling, self.sampling.stop_token_id
         B, T = queries.shape[0], s.response_length
-        requests = [{"prompt_token_ids": q[m.bool()].tolist()} for q, m in zip(queries, query_mask)]
+        requests = [{"prompt_token_ids": ids} for ids in real_rows(queries, query_mask.bool())]
         params = [SamplingParams(temperature=s.temperature, top_p=1.0, top_k=-1, min_p=0.0, repetition_penalty=1.0,
                                  max_tokens=T, logprobs=0, seed=seed, ignore_eos=True, detokenize=False,
                                  stop_token_ids=[stop] if stop is not None else None, skip_special_tokens=False)

@@ -8,6 +8,7 @@ from typing import Any
 
 import torch
 
+from ..core import real_rows
 from ..models import sequence_inputs
 
 
@@ -29,24 +30,28 @@ class RewardBatch:
             self._cache["inputs"] = sequence_inputs(self.queries, self.query_mask, self.responses, self.response_mask)
         return self._cache["inputs"]
 
+    def token_ids(self) -> tuple[list[list[int]], list[list[int]]]:
+        """(prompt ids, completion ids) without padding, the completion cut after the stop token: read to the host
+        once for the batch."""
+        if "ids" not in self._cache:
+            self._cache["ids"] = (real_rows(self.queries, self.query_mask), real_rows(self.responses,
+                                                                                      self.response_mask))
+        return self._cache["ids"]
+
     def texts(self) -> tuple[list[str], list[str]]:
         """(prompts, completions) decoded from the policy's tokens: no padding, no special tokens, completion cut
         after the stop token."""
         if "texts" not in self._cache:
-            tok = self.policy_tokenizer
-            prompts = tok.batch_decode([q[m] for q, m in zip(self.queries, self.query_mask)],
-                                       skip_special_tokens=True)
-            completions = tok.batch_decode([r[m] for r, m in zip(self.responses, self.response_mask)],
-                                           skip_special_tokens=True)
-            self._cache["texts"] = (prompts, completions)
+            tok, (prompt_ids, completion_ids) = self.policy_tokenizer, self.token_ids()
+            self._cache["texts"] = (tok.batch_decode(prompt_ids, skip_special_tokens=True),
+                                    tok.batch_decode(completion_ids, skip_special_tokens=True))
         return self._cache["texts"]
 
     def joined_texts(self) -> list[str]:
         """Prompt and completion tokens decoded together: prompt + completion with the seam's spacing kept (decoding
         them apart drops a leading space with SentencePiece and word-level tokenizers)."""
         if "joined" not in self._cache:
+            prompt_ids, completion_ids = self.token_ids()
             self._cache["joined"] = self.policy_tokenizer.batch_decode(
-                [torch.cat([q[qm], r[rm]]) for q, qm, r, rm in zip(self.queries, self.query_mask, self.responses,
-                                                                    self.response_mask)],
-                skip_special_tokens=True)
+                [q + r for q, r in zip(prompt_ids, completion_ids)], skip_special_tokens=True)
         return self._cache["joined"]

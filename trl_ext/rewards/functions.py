@@ -128,7 +128,7 @@ class FunctionReward:
         """Call the function with its convention (see `_inspect`); returns what it returned (a coroutine for an
         async function)."""
         prompts, completions = batch.texts()
-        completion_ids = [r[m].tolist() for r, m in zip(batch.responses, batch.response_mask)]
+        completion_ids = [list(ids) for ids in batch.token_ids()[1]]  # the function's own copy
         columns = dict(batch.extra_columns)
         offered = {"completion_ids": completion_ids, "trainer_state": batch.trainer_state}
         if self.convention == "keyword":  # TRL's: the dataset's own prompts, conversational completions for them

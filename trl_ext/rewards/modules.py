@@ -18,7 +18,7 @@ from typing import Any
 import torch
 import torch.nn as nn
 
-from ..core import last_true_index
+from ..core import last_true_index, real_rows
 from ..models import position_ids_from_mask, scalar_head_outputs, sequence_inputs
 from .batch import RewardBatch
 from .functions import check_reward_function_output, is_reward_function
@@ -66,9 +66,8 @@ def _model_device(model: nn.Module) -> torch.device:
 def score_responses(reward, tokenizer, queries, query_mask, responses, response_mask) -> torch.Tensor:
     """(B,) float32 score of each query+response (the response cut after its stop token)."""
     if is_reward_function(reward):
-        prompts = tokenizer.batch_decode([q[m] for q, m in zip(queries, query_mask)], skip_special_tokens=True)
-        completions = tokenizer.batch_decode([r[m] for r, m in zip(responses, response_mask)],
-                                             skip_special_tokens=True)
+        prompts = tokenizer.batch_decode(real_rows(queries, query_mask), skip_special_tokens=True)
+        completions = tokenizer.batch_decode(real_rows(responses, response_mask), skip_special_tokens=True)
         return check_reward_function_output(reward(prompts, completions), len(prompts)).to(queries.device)
     inputs = sequence_inputs(queries, query_mask, responses, response_mask)
     if not has_score_head(reward):

@@ -90,7 +90,8 @@ def parse_plan_args(script_class, defaults: dict, argv: list[str] | None = None)
     None. Precedence: command line > YAML > `defaults` (the recipe's) > PPOConfig's defaults. The returned plan holds
     the final values (after command-line overrides), so the memory estimate describes the run that happens."""
     from transformers import HfArgumentParser
-    from transformers.utils import is_torch_bf16_gpu_available
+
+    from ..config import bf16_in_hardware
 
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = HfArgumentParser((script_class, PPOConfig))
@@ -112,7 +113,7 @@ def parse_plan_args(script_class, defaults: dict, argv: list[str] | None = None)
         autocast = raw.get("autocast")
         defaults["bf16"] = compute == "bf16" and autocast is not False
         defaults["fp16"] = compute == "fp16" and autocast is not False
-        if defaults["bf16"] and not is_torch_bf16_gpu_available() and not _flag_set(argv, "use_cpu"):
+        if defaults["bf16"] and not bf16_in_hardware() and not _flag_set(argv, "use_cpu"):
             import torch
 
             where = (f"this GPU ({torch.cuda.get_device_name()}) does not support bf16" if torch.cuda.is_available()

@@ -25,6 +25,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import warnings
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -33,7 +34,7 @@ from torch import nn
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from .._trl import create_reference_model
-from ..models import SharedBaseModels, response_logprobs
+from ..models import SharedBaseModels, is_quantized, response_logprobs
 
 
 def deepspeed_batch_config(ds_config: dict, micro_batch: int, accumulation: int, processes: int,
@@ -59,10 +60,12 @@ def deepspeed_batch_config(ds_config: dict, micro_batch: int, accumulation: int,
 
 
 def clip_role_grads_(params: list[nn.Parameter], max_norm: float, deepspeed: bool, loss_scale: float = 1.0,
-                     drop: bool = False) -> float:
+                     drop: bool = False, device: torch.device | None = None) -> float:
     """Clip one role's gradients in place to `max_norm` (inf: no clipping) as `torch.nn.utils.clip_grad_norm_`
     does, and return their pre-clip norm (unscaled by `loss_scale`, DeepSpeed's fp16 loss scale). `drop`: critic
-    warmup, the policy's gradients go (None; under DeepSpeed zeros) and the norm is 0."""
+    warmup, the policy's gradients go (None; under DeepSpeed zeros) and the norm is 0. `device`: the training
+    device, where a process holding no part of this role puts its zero for the all-reduce (NCCL takes GPU tensors
+    only)."""
     if not deepspeed:
         if drop:
             for p in params:
@@ -92,7 +95,8 @@ def clip_role_grads_(params: list[nn.Parameter], max_norm: float, deepspeed: boo
         for g, set_ in local:
             set_(torch.zeros_like(g))
         return 0.0
-    square = torch.stack([g.float().pow(2).sum() for g, _ in local]).sum() if local else torch.zeros(())
+    square = (torch.stack([g.float().pow(2).sum() for g, _ in local]).sum() if local
+              else torch.zeros((), device=device))
     if partial:
         torch.distributed.all_reduce(square)  # every process, also one holding no part of this role
     norm = square.sqrt() / loss_scale
@@ -270,6 +274,42 @@ class Backend:
                              f"{device}: load the base on each process's own device (e.g. "
                              "`device_map={'': PartialState().local_process_index}` in from_pretrained).")
 
+    def check_quantized(self, model: nn.Module) -> None:
+        """A 4-bit/8-bit policy or critic of the separate layout under DeepSpeed or FSDP: refused, as a shared base is
+        (the engines flatten, cast and shard every parameter, bitsandbytes' packed weights included)."""
+        if self.shared is not None or not (self.deepspeed or self.fsdp):
+            return
+        quantized = [role for role in ("policy", "value_model") if is_quantized(getattr(model, role, None))]
+        if quantized:
+            engine = "DeepSpeed" if self.deepspeed else "FSDP"
+            raise ValueError(f"The {' and the '.join(quantized)} is loaded in 4-bit/8-bit, and bitsandbytes' "
+                             f"quantized weights cannot be sharded by {engine}: launch plain data parallel "
+                             "(`accelerate launch --multi_gpu --num_processes N`, each process holding its 4-bit "
+                             "model), or load the model unquantized (drop --load_in_4bit) to shard it.")
+
+    def check_precision(self, model: nn.Module, fp16: bool, bf16: bool) -> None:
+        """Mixed precision trains fp32 weights: under fp16 a GradScaler unscales the gradients, and it refuses fp16
+        ones at the first optimizer step (after a whole rollout), so fp16 trained weights are refused here; bf16
+        trained weights get a warning (AdamW steps in bf16 lose the updates smaller than bf16's resolution). DeepSpeed
+        keeps its own fp32 master weights and is not checked."""
+        if self.deepspeed:
+            return
+        trained = {p.dtype for p in model.parameters() if p.requires_grad}
+        if fp16 and self.accelerator.scaler is None:
+            raise ValueError(f"fp16=True on {self.device.type}: accelerate runs fp16 mixed precision (autocast and "
+                             "a GradScaler) on GPUs only. On CPU use bf16=True with use_cpu=True, or fp32 "
+                             "(fp16=False).")
+        if fp16 and torch.float16 in trained:
+            raise ValueError("fp16=True with trained weights in float16: the GradScaler cannot unscale fp16 gradients "
+                             "(\"Attempting to unscale FP16 gradients\" at the first step). Load the trained models in "
+                             "float32 (dtype=torch.float32; the Accelerator's autocast computes in fp16), or train a "
+                             "LoRA adapter (peft keeps it in fp32) on an fp16 or 4-bit base.")
+        if bf16 and torch.bfloat16 in trained:
+            warnings.warn("bf16=True with trained weights in bfloat16: AdamW then steps in bf16, where an update "
+                          "smaller than 1/256 of a weight is lost (at learning rates ~1e-6 most are). Load the trained "
+                          "models in float32 (the Accelerator's autocast computes in bf16), or train a LoRA adapter.",
+                          stacklevel=4)
+
     def prepare(self, model: nn.Module, optimizer, args) -> None:
         """Wrap the trained module and its optimizer for the engine (`accelerator.prepare`); under DeepSpeed first
         size its batch from the PPO batch (`deepspeed_batch_config`). A shared base on several processes is not
@@ -278,6 +318,8 @@ class Backend:
         per micro-batch (one per adapter)."""
         accelerator = self.accelerator
         self.check_shared_base()
+        self.check_quantized(model)
+        self.check_precision(model, args.fp16, args.bf16)
         self.group_roles = group_roles(optimizer, model.policy_parameters(), model.value_parameters())
         if self.deepspeed:
             deepspeed_batch_config(accelerator.state.deepspeed_plugin.deepspeed_config,
@@ -291,17 +333,26 @@ class Backend:
             self.model, self.optimizer = model, accelerator.prepare(optimizer)
         else:
             self.model, self.optimizer = accelerator.prepare(model, optimizer)
+        # accelerate wraps the module's forward in autocast and a conversion of every output to fp32: a second,
+        # fp32 copy of the (b, T+1, V) logits beside the bf16 ones. Its own forward back (in place); the phases call it
+        # under `autocast()` and upcast what they need (the log-probs chunk by chunk, the values).
+        accelerator.unwrap_model(self.model, keep_fp32_wrapper=False)
 
     def place_frozen(self, module: nn.Module) -> nn.Module:
         """A frozen model (the reference, a reward model): wrapped for DeepSpeed inference (ZeRO-3 partitions it),
         or moved to the training device. A module without parameters (a rule-based reward) is only moved."""
         if self.deepspeed and any(True for _ in module.parameters()):
-            from trl.models.utils import prepare_deepspeed
+            from trl.models import prepare_deepspeed
 
             return prepare_deepspeed(module, self.accelerator)
         return module.to(self.device)
 
     # ------------------------------------------------------------------------------------------------ access
+    def autocast(self):
+        """Inside: the mixed precision of the run (bf16/fp16 autocast; a no-op in fp32 and under DeepSpeed, whose
+        engine holds the model in its dtype). Every forward of the trained module runs inside it, on any layout."""
+        return self.accelerator.autocast()
+
     def unwrap(self) -> nn.Module:
         """The policy+value wrapper (or the shared base) without its engine's shell."""
         return self.accelerator.unwrap_model(self.model)
@@ -314,7 +365,7 @@ class Backend:
     def generation_model(self, gather_zero3: bool):
         """Inside: the unwrapped trained module to generate with; under ZeRO-3 with its weights gathered if
         `gather_zero3` (TRL's `ds3_gather_for_generation`)."""
-        from trl.models.utils import unwrap_model_for_generation
+        from trl.models import unwrap_model_for_generation
 
         return unwrap_model_for_generation(self.model, self.accelerator, gather_deepspeed3_params=gather_zero3)
 
@@ -350,7 +401,7 @@ class Backend:
             self.accelerator.unscale_gradients()
         if self.shared is not None and self.num_processes > 1:
             average_gradients_(self.shared.trainable_parameters(), self.accelerator.reduce)
-        return {key: clip_role_grads_(params, self.max_norm, self.deepspeed, loss_scale, drop)
+        return {key: clip_role_grads_(params, self.max_norm, self.deepspeed, loss_scale, drop, self.device)
                 for key, params, drop in (("policy/grad_norm", wrapper.policy_parameters(), critic_only),
                                           ("val/grad_norm", wrapper.value_parameters(), False))}
 

@@ -111,10 +111,15 @@ def staged(run_dir: str, step: int, backend, save_total_limit: int | None):
     backend.barrier()
 
 
-def write_state(folder: str, kl_controller, reward_normalizer, settings: dict) -> None:
+def write_state(folder: str, kl_controller, reward_normalizer, settings: dict, grad_scaler=None) -> None:
+    """trl_ext's own state: β's controller, the reward normalizer's statistics, the run's settings and, under fp16,
+    the GradScaler's loss scale and growth tracker (a resumed run scales as the straight one would)."""
+    state = {"kl_controller": kl_controller.state_dict(), "reward_normalizer": reward_normalizer.state_dict(),
+             "settings": settings}
+    if grad_scaler is not None:
+        state["grad_scaler"] = grad_scaler.state_dict()
     with open(os.path.join(folder, TRL_EXT_STATE), "w") as f:
-        json.dump({"kl_controller": kl_controller.state_dict(), "reward_normalizer": reward_normalizer.state_dict(),
-                   "settings": settings}, f, indent=2)
+        json.dump(state, f, indent=2)
 
 
 def find_checkpoint(resume_from_checkpoint: str | bool, output_dir: str) -> str:

@@ -28,7 +28,7 @@ from transformers import Trainer, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
 from transformers.trainer import DEFAULT_CALLBACKS
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
-from transformers.trainer_utils import set_seed
+from transformers.trainer_utils import enable_full_determinism, set_seed
 from transformers.utils import is_peft_available
 
 from .._trl import OnlineTrainerState, PPOTrainerBase
@@ -119,7 +119,9 @@ class PPOTrainer(PPOTrainerBase):
         drawn in: seeding, the critic's new head, the LoRA matrices, the reference copy)."""
         self._check_arguments(args, processing_class, model, ref_model, reward_model, train_dataset)
         self.args, self.processing_class = args, processing_class
-        set_seed(args.seed)  # python, numpy and torch: two runs with the same seed give the same weights
+        # python, numpy and torch seeded: on CPU two runs with the same seed give the same weights; on CUDA also with
+        # full_determinism=True (deterministic kernels, cuBLAS workspace: TrainingArguments' switch), else close only
+        enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         model = self._setup_shared_base(model, ref_model, value_model, peft_config)
         self._setup_stop_token()
         train_dataset, eval_dataset, data_collator = self._setup_prompts(train_dataset, eval_dataset, data_collator)
@@ -451,7 +453,7 @@ class PPOTrainer(PPOTrainerBase):
         """The colocated vLLM engine of `use_vllm` (trl_ext/trainer/sampling.py)."""
         whole_policy = self.shared is None and not self.backend.params_sharded
         return colocated_vllm(self.args, self.unwrapped.policy, self.processing_class, self.sampling,
-                              self.accelerator.device, whole_policy, self.local_seed)
+                              self.accelerator.device, whole_policy, self.local_seed, self.accelerator.num_processes)
 
     def _setup_phases(self) -> None:
         """The phases of an iteration, each given only what it uses: the sampler (every draw of responses), the
@@ -727,7 +729,7 @@ class PPOTrainer(PPOTrainerBase):
                 for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
                     self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
                 self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
-                write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings())
+                write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings(), self.accelerator.scaler)
 
     def _resume(self, checkpoint: str | bool) -> None:
         """Restore everything a PPO run carries from a checkpoint written by `_save_checkpoint`."""
@@ -740,6 +742,8 @@ class PPOTrainer(PPOTrainerBase):
         self._load_rng_state(checkpoint)
         self.kl_ctl.load_state_dict(saved["kl_controller"])
         self.reward_normalizer.load_state_dict(saved["reward_normalizer"])
+        if self.accelerator.scaler is not None and "grad_scaler" in saved:  # fp16: the loss scale reached
+            self.accelerator.scaler.load_state_dict(saved["grad_scaler"])
         restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         for name in ("global_step", "episode", "epoch", "log_history", "total_flos"):
             setattr(self.state, name, getattr(restored, name))

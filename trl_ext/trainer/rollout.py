@@ -140,12 +140,11 @@ class RolloutPhase:
                 parts["ref_logprobs"].append(self.reference.logprobs(policy, inputs, responses[s]))
             # 4. only the last T + 1 positions' logits are computed; log-probs in chunks; the logits freed at once.
             # rollout_logprobs="sampler": π_old is the sampler's own log-probs, and the values are computed alone.
-            with self.phases("policy_and_value"):
+            with self.phases("policy_and_value"), accelerator.autocast():
                 kept = {}
                 if trunk is not None:
                     if not captured:
-                        with accelerator.autocast():
-                            captured.append(trunk.hidden_states(inputs))
+                        captured.append(trunk.hidden_states(inputs))
                     kept = {"trunk_hidden": captured[0]}
                     parts["trunk"].append(captured[0])
                 if args.rollout_logprobs == "sampler":

@@ -86,7 +86,8 @@ class ResponseSampler:
             yield
 
 
-def colocated_vllm(args, policy, tokenizer, sampling: Sampling, device: torch.device, whole_policy: bool, seed: int):
+def colocated_vllm(args, policy, tokenizer, sampling: Sampling, device: torch.device, whole_policy: bool, seed: int,
+                   num_processes: int = 1):
     """The colocated vLLM engine of `use_vllm` (trl_ext/models/vllm_sampler.py), after checking it can run here."""
     from ..models.vllm_sampler import VLLMSampler, vllm_available
 
@@ -109,4 +110,4 @@ def colocated_vllm(args, policy, tokenizer, sampling: Sampling, device: torch.de
                        gpu_memory_utilization=args.vllm_gpu_memory_utilization,
                        tensor_parallel_size=args.vllm_tensor_parallel_size,
                        enable_sleep_mode=args.vllm_enable_sleep_mode, kv_cache_gb=args.vllm_kv_cache_gb,
-                       max_lora_rank=rank)
+                       max_lora_rank=rank, distributed=num_processes > 1)

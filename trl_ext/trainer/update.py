@@ -9,8 +9,10 @@ by, so the update is the same for any gradient_accumulation_steps and any number
 
 Memory: the policy's logits are computed for the T + 1 positions that predict response tokens only; the log-probs
 come from `token_logprobs` (no (b, T, V) fp32 tensor, forward or backward) and the entropy under no_grad in chunks,
-and the logits are released before backward. With a shared base, the policy and the critic each run forward and
-backward with their own adapter active (one backward per role).
+and the logits are released before backward. Every forward of the trained module runs under the run's autocast
+(`Backend.autocast`) and returns the compute dtype: accelerate's conversion of the outputs to fp32, which would add an
+fp32 copy of the logits, is removed when the module is prepared. With a shared base, the policy and the critic each
+run forward and backward with their own adapter active (one backward per role).
 """
 
 from __future__ import annotations
@@ -40,7 +42,7 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator):
     new_logprobs = token_logprobs(response_logits, tokens, args.temperature, LOGPROB_CHUNK)
     with torch.no_grad():
         entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
-                              micro.response_mask)
+                              micro.response_mask, strict=False)
     low = args.cliprange if args.clip_ratio_low is None else args.clip_ratio_low
     high = args.cliprange if args.clip_ratio_high is None else args.clip_ratio_high
     pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
@@ -133,15 +135,18 @@ class PPOUpdate:
             # warmup on one plain process: the policy's forward (for its stats) without a graph, the critic's alone;
             # its gradients would be dropped before the optimizer step anyway
             with torch.no_grad():
-                logits = model(**inputs, logits_to_keep=T + 1, role="policy")
+                with self.backend.autocast():
+                    logits = model(**inputs, logits_to_keep=T + 1, role="policy")
                 pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
             del logits
-            values = model(**inputs, role="value", trunk_hidden=micro.trunk_hidden)
+            with self.backend.autocast():
+                values = model(**inputs, role="value", trunk_hidden=micro.trunk_hidden)
             vf_loss, vf_stats = value_terms(values, micro, args, denominator)
             self.backend.backward(vf_coef * vf_loss * loss_scale)
             return pg_stats, vf_stats, entropy
         # the critic runs its trainable top layers only, over its frozen trunk's output kept by the rollout
-        logits, values = model(**inputs, logits_to_keep=T + 1, trunk_hidden=micro.trunk_hidden)
+        with self.backend.autocast():
+            logits, values = model(**inputs, logits_to_keep=T + 1, trunk_hidden=micro.trunk_hidden)
         pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
         del logits
         vf_loss, vf_stats = value_terms(values, micro, args, denominator)
@@ -159,13 +164,15 @@ class PPOUpdate:
         share no trainable parameter). In critic warmup the policy pass runs without grad."""
         args, model, shared, T = self.args, self.backend.model, self.backend.shared, micro.responses.shape[1]
         with shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
-            logits = model(**inputs, logits_to_keep=T + 1, role="policy")
+            with self.backend.autocast():
+                logits = model(**inputs, logits_to_keep=T + 1, role="policy")
             pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
             del logits
             if not critic_only:
                 self.backend.backward(pg_loss * loss_scale)
         with shared.adapter("critic"):
-            values = model(**inputs, role="value")
+            with self.backend.autocast():
+                values = model(**inputs, role="value")
             vf_loss, vf_stats = value_terms(values, micro, args, denominator)
             self.backend.backward(vf_coef * vf_loss * loss_scale)
         return pg_stats, vf_stats, entropy
