@@ -25,6 +25,7 @@ from trl_ext.models import (
 from trl_ext.testing import (
     quantized_4bit,
     tiny_4bit_causal_lm,
+    tiny_causal_lm,
     tiny_prompt_dataset,
     tiny_scalar_model,
     tiny_tokenizer,
@@ -416,3 +417,16 @@ def test_shared_base_run_resumes_to_the_same_weights(tmp_path):
     logs = lambda t: [{k: v for k, v in h.items() if k != "eps"} for h in t.state.log_history  # noqa: E731
                       if "objective/scores" in h]
     assert logs(resumed) == logs(straight)
+
+
+def test_the_heads_sit_where_the_final_hidden_states_come_out():
+    # device_map="auto" over two GPUs puts the embeddings on the first and the final norm and lm_head on the last;
+    # "meta" stands in for that last device here
+    from trl_ext.models import build_shared_base
+
+    tok = tiny_tokenizer()
+    base = tiny_causal_lm(tok, hidden_size=64, intermediate_size=128)
+    base.model.norm.to("meta")
+    base.lm_head.to("meta")
+    shared = build_shared_base(base, policy_lora=LoraConfig(r=2, target_modules=["q_proj"]))
+    assert shared.value_model.score.weight.device.type == "meta"

@@ -24,6 +24,16 @@ def _underlying(model: nn.Module) -> nn.Module:
     return model.get_base_model() if hasattr(model, "get_base_model") else model
 
 
+def output_device(model: nn.Module) -> torch.device:
+    """Where the model's final hidden states come out: its output layer's device (lm_head; the last parameter's
+    for a model without one). With `device_map="auto"` over several GPUs that is the last one, not the device of the
+    first parameter (the embeddings)."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if head is not None and getattr(head, "weight", None) is not None:
+        return head.weight.device
+    return list(model.parameters())[-1].device
+
+
 def accepts_logits_to_keep(model: nn.Module) -> bool:
     """Whether the causal LM computes logits for the last k positions only when given `logits_to_keep=k`."""
     return _forward_accepts_logits_to_keep(type(_underlying(model)))

@@ -11,7 +11,7 @@ from contextlib import contextmanager
 import torch
 import torch.nn as nn
 
-from .forward import lm_logits
+from .forward import lm_logits, output_device
 from .preparation import CHECKPOINTING_KWARGS, disable_bnb_cpu_repack
 from .value import scalar_head_outputs
 
@@ -289,7 +289,7 @@ def build_shared_base(base_model: nn.Module, policy_lora, critic_lora=None, rewa
     config = base_model.config.get_text_config() if hasattr(base_model.config, "get_text_config") \
         else base_model.config
     hidden = config.hidden_size
-    device = next(p.device for p in base_model.parameters())
+    device = output_device(base_model)  # the heads read the final hidden states (device_map="auto": the last GPU)
     value_head = nn.Linear(hidden, 1, bias=False, device=device, dtype=torch.float32)
     with torch.no_grad():
         if value_head_init == "zero":

@@ -26,10 +26,9 @@ How each activation term is derived (per token; h hidden, I intermediate, V voca
 the compute dtype) is written next to it below. The saved-for-backward count of a decoder layer was read off PyTorch's
 autograd graph (``torch.autograd.graph.saved_tensors_hooks``) for HF's Llama with peft LoRA (checked by
 tests/tools/test_memory_planner.py for fp32, bf16, and bf16 under autocast). ``benchmarks/validate_memory_cpu.py``
-compares the phase totals with measured peaks of scaled-down fp32 models on CPU (the errors: docs/results.md);
-``benchmarks/memory_7b_gpu.py`` does the same for a 7B-shaped 4-bit model on a GPU
-(not yet run). The bf16 GPU regime (autocast, 4-bit dequantization buffers, the CUDA headroom) is derived, not
-measured.
+compares every phase with the live tensor bytes of the real PPOTrainer on CPU (fp32 and bf16 autocast, both layouts,
+nf4; the errors: docs/results.md); ``benchmarks/memory_7b_gpu.py`` does the same for a 7B-shaped 4-bit model on a GPU
+(not yet run). What only a GPU shows (CUDA's 4-bit dequantization buffers, the headroom) is derived, not measured.
 """
 
 from __future__ import annotations
@@ -205,8 +204,8 @@ def load_shape(spec: str) -> ModelShape:
 @dataclass
 class PlanConfig:
     """A recipe's memory-relevant settings. Batch and length fields carry PPOConfig's names, so a recipe script can
-    pass them on; the rollout batch per device is per_device_train_batch_size · gradient_accumulation_steps ·
-    num_mini_batches (PPOConfig's local_batch_size)."""
+    pass them on; the rollout batch per device is per_device_train_batch_size · gradient_accumulation_steps
+    (PPOConfig's local_batch_size; num_mini_batches splits it into minibatches)."""
 
     model: str | None = None
     """preset name or config.json path (the CLI's --model overrides it)"""
@@ -293,7 +292,7 @@ class PlanConfig:
 
     @property
     def local_batch_size(self) -> int:
-        return self.per_device_train_batch_size * self.gradient_accumulation_steps * self.num_mini_batches
+        return self.per_device_train_batch_size * self.gradient_accumulation_steps
 
     @property
     def is_quantized(self) -> bool:
@@ -537,6 +536,8 @@ class _Sizes:
     f: int  # sequences per scoring forward (local_rollout_forward_batch_size, at most the batch)
     n_lora: int  # parameters of one LoRA adapter
     dequant: int  # bytes of the largest dequantized weight (4-bit/8-bit bases; else 0)
+    head_cast: int  # autocast's copy of the lm_head in the compute dtype, when it is stored wider (else 0)
+    chunk: int  # positions per log-prob chunk: min(logits_chunk_size, response_length)
 
 
 def _sizes(shape: ModelShape, plan: PlanConfig) -> _Sizes:
@@ -548,8 +549,12 @@ def _sizes(shape: ModelShape, plan: PlanConfig) -> _Sizes:
     dequant = 0
     if plan.is_quantized:  # bnb dequantizes the largest weight to the compute dtype for a multi-token matmul
         dequant = max(i * o for i, o in shape.linear_dims().values()) * a
+    # autocast casts an fp32 lm_head to the compute dtype for its matmul: alive beside the KV cache in generation,
+    # beside the logits it makes in scoring, and saved for backward in training
+    head_cast = shape.vocab_size * shape.hidden_size * a if plan.uses_autocast and s > a else 0
     return _Sizes(a=a, s=s, a_logits=a_logits, f=min(plan.local_rollout_forward_batch_size, plan.local_batch_size),
-                  n_lora=shape.lora_params(plan.lora_r, plan.lora_targets), dequant=dequant)
+                  n_lora=shape.lora_params(plan.lora_r, plan.lora_targets), dequant=dequant, head_cast=head_cast,
+                  chunk=min(plan.logits_chunk_size, plan.response_length))
 
 
 def _static_memory(shape: ModelShape, plan: PlanConfig, z: _Sizes) -> dict[str, int]:
@@ -589,27 +594,33 @@ def _rollout_phases(shape: ModelShape, plan: PlanConfig, z: _Sizes) -> list[Phas
     dq = {"dequantized weight (one linear, compute dtype)": z.dequant} if z.dequant else {}
     # 1. generation: the KV cache for S tokens of f sequences, plus the prefill's per-layer working set
     kv = 2 * L * f * S * shape.kv_dim * z.a
+    cast = {"lm_head cast to the compute dtype (autocast)": z.head_cast} if z.head_cast else {}
     gen = {f"KV cache: 2·L·{f} seqs·{S} tokens·{shape.kv_dim} kv dim": kv,
            f"prefill working set of one layer ({f}×{P} tokens)": f * P * (layer_t + mask_t),
-           f"sampling: last-position logits, fp32 ({f}×V ×3)": f * V * 4 * 3, **dq}
+           f"sampling: last-position logits, fp32 ({f}×V ×3)": f * V * 4 * 3, **dq, **cast}
     # 2.-4. chunked (trl_ext): logits of the T + 1 positions that predict response tokens only (logits_to_keep),
     # log-probs C positions at a time (core.token_logprobs); not chunked (TRL 1.12): logits of all S positions, then
     # logits[:, Q-1:-1].float() / T: an fp32 copy (when the logits are not fp32) and its quotient
-    C = plan.logits_chunk_size
+    C = z.chunk
     pos = R + 1 if plan.chunked_logits else S
     lname = "bf16" if a_logits == 2 else "fp32"
     full = f * pos * V * a_logits
     if plan.chunked_logits:
-        logp = {f"log-probs, {C} positions at a time (fp32 ×3)": 3 * C * V * 4}
+        # per (C, V) chunk: the fp32 upcast (none for fp32 logits), its quotient by T, logsumexp's working tensor
+        n = 2 if a_logits == 4 else 3
+        logp = {f"log-probs, {C} positions at a time (fp32 ×{n})": n * C * V * 4}
     else:
         logp = {f"response logits / T, fp32 ({f}×{R}×V{' ×2' if a_logits != 4 else ''})":
                 f * R * V * 4 * (2 if a_logits != 4 else 1),
                 "logsumexp working set (one row, fp32)": R * V * 4}
     fwd_t = f * S * (layer_t + mask_t)
     # the policy's logits stay alive while the value model runs, then the log-probs are taken
+    # (autocast's lm_head cast is freed once the logits are made, before the log-probs)
     policy_value = {f"policy logits ({f}×{pos}×V, {lname})": full,
-                    "the larger of: value forward (one layer), log-probs": max(fwd_t, sum(logp.values())), **dq}
-    ref = {f"reference logits ({f}×{pos}×V, {lname})": full, **logp, **dq}
+                    "the larger of: value forward (one layer), log-probs, lm_head cast":
+                    max(fwd_t, sum(logp.values()), z.head_cast), **dq}
+    ref = {f"reference logits ({f}×{pos}×V, {lname})": full,
+           "the larger of: log-probs, lm_head cast": max(sum(logp.values()), z.head_cast), **dq}
     if not plan.chunked_logits:  # the quotient is made while the full logits exist, then upcast
         ref[f"response logits / T ({f}×{R}×V, {lname})"] = f * R * V * a_logits if a_logits != 4 else 0
     reward = {f"one layer ({f}×{S} tokens)": fwd_t, "final hidden states": f * S * shape.hidden_size * z.s, **dq}
@@ -626,7 +637,7 @@ def _training_phase(shape: ModelShape, plan: PlanConfig, z: _Sizes, checkpointin
     S, m, a, s, a_logits = plan.max_prompt_length + R, plan.per_device_train_batch_size, z.a, z.s, z.a_logits
     shared = plan.layout == "shared"
     n_models, who = (1, "policy pass") if shared else (2, "policy + critic")
-    C = plan.logits_chunk_size
+    C = z.chunk
     pos = R + 1 if plan.chunked_logits else S
     per_layer_sum = sum(_layer_saved_per_token(shape, plan, a, S).values())
     tokens = m * S
@@ -648,8 +659,10 @@ def _training_phase(shape: ModelShape, plan: PlanConfig, z: _Sizes, checkpointin
     keep = m * pos * V * a_logits
     if plan.chunked_logits:
         # token_logprobs keeps the (m, T+1, V) logits for backward; its backward makes a (m, T, V) gradient,
-        # and the slice's backward a (m, T+1, V) one; one (C, V) chunk at a time in fp32
-        logits_stage = 2 * keep + 3 * C * V * 4
+        # and the slice's backward a (m, T+1, V) one; one (C, V) chunk at a time in fp32: the upcast logits / T,
+        # the softmax, its product with the incoming gradient, that over T (4 tensors). Autocast's lm_head cast is
+        # saved for the lm_head's backward, which runs after this stage
+        logits_stage = 2 * keep + 4 * C * V * 4 + z.head_cast
     else:
         # TRL 1.12's way: x = the fp32 (m, T, V) response logits / T, kept (logsumexp saves them). Forward: the
         # (m, S, V) logits, the .float() copy and x coexist; backward: x, its gradient and the gradient through
