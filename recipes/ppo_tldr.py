@@ -72,6 +72,12 @@ Models and data by name come from the Hugging Face Hub; local folders and data f
 a `save_to_disk` folder). Offline and not cached, the recipe stops with one message naming what failed and the fixes
 (`trl_ext.scripts.hub_load`).
 
+Precision: `--dtype bfloat16 --bf16 true` (A100, RTX 30xx and newer) or `--dtype float16 --fp16 true` (T4, V100)
+loads the reward model (and with `--use_peft` the policy's frozen base) in that dtype and what trains whole (the
+policy without `--use_peft`, the value model) in float32, computing in bf16/fp16 under autocast; fp16 scales the loss
+with a GradScaler. 7-8B models on one GPU do not fit this recipe's layout (a full-size critic is trained beside a
+full-size reward model): use `recipes/ppo_qlora_7b.py`, one shared 4-bit base (docs/qlora-and-memory.md).
+
 It writes to `--output_dir`: the policy (or its LoRA adapter), the tokenizer, metrics.jsonl and samples.jsonl. Other
 model sizes, fewer GPUs, ZeRO-3 and mixed precision: docs/scale-out.md.
 """
@@ -163,13 +169,19 @@ def parse_args(argv: list[str] | None = None) -> tuple[ScriptArguments, PPOConfi
 def load_models(args: PPOConfig, script_args: ScriptArguments, model_args: ModelConfig, pad_token_id: int):
     """(SFT policy, reward model, value model). The value model is a second copy of the reward model loaded from disk
     rather than deep-copied, so that ZeRO-3's partitioned loading works for it too."""
+    import torch
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
 
-    common = dict(dtype=load_dtype(model_args),
-                  attn_implementation=model_args.attn_implementation, revision=model_args.model_revision,
+    # --dtype for what stays frozen (the reward model, a LoRA policy's base); what trains whole (the policy without
+    # --use_peft, the value model) in float32: mixed precision computes in bf16/fp16 under autocast over fp32 weights
+    # (fp16 weights stop the GradScaler; bf16 AdamW steps lose updates smaller than bf16's resolution)
+    frozen_dtype = load_dtype(model_args, args)
+    trained_dtype = torch.float32 if frozen_dtype in (torch.bfloat16, torch.float16) else frozen_dtype
+    common = dict(attn_implementation=model_args.attn_implementation, revision=model_args.model_revision,
                   trust_remote_code=args.trust_remote_code)
     quantization = get_quantization_config(model_args)
-    policy_kwargs = dict(common, quantization_config=quantization)
+    policy_kwargs = dict(common, quantization_config=quantization,
+                         dtype=frozen_dtype if model_args.use_peft else trained_dtype)
     if quantization is not None:
         policy_kwargs["device_map"] = get_kbit_device_map()  # each process its own GPU (None on CPU)
     policy = hub_load("SFT policy", args.sft_model_path, lambda: AutoModelForCausalLM.from_pretrained(
@@ -179,16 +191,17 @@ def load_models(args: PPOConfig, script_args: ScriptArguments, model_args: Model
 
         policy = prepare_model_for_kbit_training(policy, use_gradient_checkpointing=False)  # the trainer sets it
 
-    def scalar_model(what: str, name: str, flag: str):
+    def scalar_model(what: str, name: str, flag: str, dtype):
         model = hub_load(what, name, lambda: AutoModelForSequenceClassification.from_pretrained(
-            name, num_labels=1, **common), flag)
+            name, num_labels=1, dtype=dtype, **common), flag)
         if model.config.pad_token_id is None:
             model.config.pad_token_id = pad_token_id
         return model
 
-    reward_model = scalar_model("reward model", args.reward_model_path, "--reward_model_path")
+    reward_model = scalar_model("reward model", args.reward_model_path, "--reward_model_path", frozen_dtype)
     value_flag = "--value_model_path" if script_args.value_model_path else "--reward_model_path"
-    value_model = scalar_model("value model", script_args.value_model_path or args.reward_model_path, value_flag)
+    value_model = scalar_model("value model", script_args.value_model_path or args.reward_model_path, value_flag,
+                               trained_dtype)
     return policy, reward_model, value_model
 
 

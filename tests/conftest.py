@@ -18,6 +18,23 @@ def _fresh_accelerate_state():
     AcceleratorState._reset_state(reset_partial_state=True)
 
 
+@pytest.fixture
+def fp16_on_cpu(monkeypatch):
+    """accelerate's fp16 path as on a GPU (autocast to float16 and a GradScaler), on CPU: accelerate sets it up on
+    GPUs only; torch's CPU autocast and GradScaler("cpu") run it the same way."""
+    import torch
+    from accelerate import Accelerator
+
+    init = Accelerator.__init__
+
+    def fp16_init(self, *args, **kwargs):
+        init(self, *args, **kwargs)
+        if self.state.mixed_precision == "fp16" and self.device.type == "cpu":
+            self.native_amp, self.scaler = True, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
+
+    monkeypatch.setattr(Accelerator, "__init__", fp16_init)
+
+
 # Tests that compare against TRL's own PPOTrainer (marked `trl_ppo`) need a TRL that has one: trl 1.12. Under a newer
 # TRL they are deselected, and said so in the report header; CI runs them in its trl 1.12 environment (.ci/run).
 TRL_HAS_PPO = Version(version("trl")) < Version("1.13")

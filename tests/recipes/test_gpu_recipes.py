@@ -225,6 +225,70 @@ def test_load_in_4bit_loads_the_policy_in_nf4(standins):
     assert policy.is_loaded_in_4bit
 
 
+@pytest.mark.parametrize("flags, trained, frozen", [
+    (["--dtype", "bfloat16", "--bf16", "true", "--use_cpu", "true"], "float32", "bfloat16"),
+    (["--dtype", "float16", "--fp16", "true"], "float32", "float16"),
+    (["--dtype", "float32"], "float32", "float32"),
+])
+def test_half_precision_loads_what_trains_whole_in_fp32(standins, flags, trained, frozen):
+    """--dtype is for the frozen reward model; the policy and the value model train whole, so they load in fp32 (a
+    GradScaler refuses fp16 gradients; bf16 AdamW loses small updates); with --use_peft the policy's base is frozen."""
+    paths = ["--sft_model_path", str(standins / "sft"), "--reward_model_path", str(standins / "rm")]
+    script_args, args, model_args = recipe.parse_args(flags + paths)
+    policy, reward_model, value_model = recipe.load_models(args, script_args, model_args, pad_token_id=0)
+    assert {str(p.dtype) for p in policy.parameters()} == {f"torch.{trained}"}
+    assert {str(p.dtype) for p in value_model.parameters()} == {f"torch.{trained}"}
+    assert {str(p.dtype) for p in reward_model.parameters()} == {f"torch.{frozen}"}
+    script_args, args, model_args = recipe.parse_args(flags + paths + ["--use_peft"])
+    policy, _, _ = recipe.load_models(args, script_args, model_args, pad_token_id=0)
+    assert {str(p.dtype) for p in policy.parameters()} == {f"torch.{frozen}"}  # the adapter comes with the trainer
+
+
+def test_half_precision_dtype_without_mixed_precision_is_an_error(standins):
+    script_args, args, model_args = recipe.parse_args(["--dtype", "float16", "--sft_model_path", str(standins / "sft")])
+    with pytest.raises(ValueError, match="--dtype float16 .* add --fp16 true"):
+        recipe.load_models(args, script_args, model_args, pad_token_id=0)
+
+
+def _main_argv(standins, out, *flags):
+    return ["--output_dir", str(out), "--model_name_or_path", str(standins / "sft"),
+            "--sft_model_path", str(standins / "sft"), "--reward_model_path", str(standins / "rm"),
+            "--dataset_name", str(standins / "data"), "--eval_strategy", "no", "--total_episodes", "8",
+            "--per_device_train_batch_size", "4", "--gradient_accumulation_steps", "1",
+            "--local_rollout_forward_batch_size", "4", "--response_length", "8", "--num_ppo_epochs", "1",
+            "--save_strategy", "no", "--disable_tqdm", "True", "--learning_rate", "1e-3", *flags]
+
+
+@pytest.mark.slow
+def test_recipe_trains_in_fp16_through_the_grad_scaler(standins, tmp_path, fp16_on_cpu):
+    """--dtype float16 --fp16 true, accelerate's fp16 path (autocast + GradScaler) faked on CPU: 2 steps, and the policy
+    moved (before the fix: "Attempting to unscale FP16 gradients" at the first step)."""
+    out = tmp_path / "run"
+    summary = recipe.main(_main_argv(standins, out, "--dtype", "float16", "--fp16", "true"))
+    assert summary["steps"] == 2
+    _assert_moved(standins, out)
+
+
+@pytest.mark.slow
+def test_recipe_trains_in_bf16_on_fp32_master_weights(standins, tmp_path):
+    out = tmp_path / "run"
+    summary = recipe.main(_main_argv(standins, out, "--dtype", "bfloat16", "--bf16", "true", "--use_cpu", "true"))
+    assert summary["steps"] == 2
+    _assert_moved(standins, out, share=0.5)  # fp32 master weights: most weights move (bf16 AdamW moved 3.4 %)
+
+
+def _assert_moved(standins, out, share: float = 0.0):
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    before = AutoModelForCausalLM.from_pretrained(standins / "sft").state_dict()
+    after = AutoModelForCausalLM.from_pretrained(out).state_dict()
+    changed = sum(int((before[k] != after[k].to(before[k].dtype)).sum()) for k in before)
+    total = sum(v.numel() for v in before.values())
+    assert changed > share * total, (changed, total)
+    assert all(v.dtype == torch.float32 for v in after.values())
+
+
 # ---------------------------------------------------------------------------------------------- hub errors
 
 
@@ -411,3 +475,21 @@ def test_recipe_under_the_multi_gpu_config_with_two_cpu_processes(standins, tmp_
         for key in ("objective/scores", "objective/kl", "loss/policy_avg", "loss/value_avg", "eval/score"):
             assert isinstance(r[key], float) and math.isfinite(r[key]), (key, r)
     assert (out / "model.safetensors").is_file()
+
+
+def test_the_7_8b_advice_names_a_config_the_planner_fits_on_its_gpu():
+    """docs/scale-out.md's advice for 7-8B models on one GPU: the config it names, with the planner's figures as
+    stated, fits that GPU (the recipe's own layout, a full critic beside a full reward model, does not)."""
+    from trl_ext.tools.memory import GIB, PRESETS, PlanConfig, estimate_memory
+
+    text = (REPO / "docs" / "scale-out.md").read_text()
+    advice = re.search(r"for 7-8B models on one GPU use\s+`recipes/ppo_qlora_7b\.py --config "
+                       r"recipes/qlora_7b/(\w+_(\d+)gb)\.yaml`.*?Llama-3-8B: ([\d.]+) GiB, ([\d.]+) GiB with headroom",
+                       text, re.S)
+    assert advice, "docs/scale-out.md no longer gives the 7-8B advice in the tested form"
+    name, gpu, peak, needed = advice.group(1), int(advice.group(2)), float(advice.group(3)), float(advice.group(4))
+    est = estimate_memory(PRESETS["llama-3-8b"], PlanConfig.from_file(str(REPO / "recipes" / "qlora_7b" /
+                                                                         f"{name}.yaml")))
+    assert (round(est.peak_bytes / GIB, 1), round(est.required_bytes / GIB, 1)) == (peak, needed)
+    assert all(estimate_memory(shape, est.plan).fits(gpu) for shape in PRESETS.values())
+    assert "recipes/ppo_qlora_7b.py" in recipe.__doc__

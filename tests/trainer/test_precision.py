@@ -75,22 +75,6 @@ def test_full_determinism_switches_deterministic_algorithms_on(tmp_path):
         torch.use_deterministic_algorithms(False)
 
 
-@pytest.fixture
-def fp16_on_cpu(monkeypatch):
-    """accelerate's fp16 path as on a GPU (autocast to float16 and a GradScaler), on CPU: accelerate sets it up on
-    GPUs only, torch's CPU autocast and GradScaler("cpu") run it the same way."""
-    from accelerate import Accelerator
-
-    init = Accelerator.__init__
-
-    def fp16_init(self, *args, **kwargs):
-        init(self, *args, **kwargs)
-        if self.state.mixed_precision == "fp16" and self.device.type == "cpu":
-            self.native_amp, self.scaler = True, torch.amp.GradScaler("cpu", init_scale=2.0**10, growth_interval=1)
-
-    monkeypatch.setattr(Accelerator, "__init__", fp16_init)
-
-
 def test_fp16_trains_fp32_weights_through_the_grad_scaler(tmp_path, fp16_on_cpu):
     t = trainer(tmp_path, fp16=True, total_episodes=12)
     assert t.accelerator.scaler is not None

