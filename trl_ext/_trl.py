@@ -6,8 +6,8 @@
   exactly TRL 1.12's PPOConfig fields and defaults on `transformers.TrainingArguments`, and `transformers.Trainer`.
   trl_ext never calls TRL's `PPOTrainer.__init__` or `train()`, so the trainer is the same on either base.
 
-Beyond that base trl_ext uses TRL's public names only (`trl.create_reference_model`, `trl.models`' DeepSpeed
-helpers, `ModelConfig`, `TrlParser`, `get_peft_config`, `get_quantization_config` in the recipes), so a TRL newer
+Beyond that base trl_ext uses TRL's public names only (`trl.models`' DeepSpeed helpers, `ModelConfig`, `TrlParser`,
+`get_peft_config`, `get_quantization_config` in the recipes), so a TRL newer
 than the newest tested (`NEWEST_TESTED_TRL`) is used as it is, with a warning naming that version; pyproject.toml puts
 no upper bound on trl, so installing trl_ext never downgrades it.
 
@@ -19,7 +19,6 @@ import warnings
 from importlib.metadata import version
 
 from packaging.version import Version
-from trl import create_reference_model
 
 NEWEST_TESTED_TRL = "1.16"  # CI's newest environment (.ci/run); trl 1.17 and 1.18 are not on this project's index
 TRL_VERSION = Version(version("trl"))
@@ -55,4 +54,4 @@ PPO_BASE = ("TRL's own PPOTrainer (trl.experimental.ppo)" if TRL_HAS_PPO
             else "trl_ext's own base (trl_ext/ppo_base.py): this TRL has no PPOTrainer")
 
 __all__ = ["NEWEST_TESTED_TRL", "OnlineTrainerState", "PPOConfigBase", "PPOTrainerBase", "PPO_BASE", "TRL_HAS_PPO",
-           "create_reference_model", "warn_if_untested"]
+           "warn_if_untested"]

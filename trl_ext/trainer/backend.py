@@ -16,8 +16,9 @@ what trl_ext does differently under DeepSpeed (ZeRO-2/3) and FSDP2:
 - `fsdp2_unsharded`: FSDP2 keeps each parameter sharded except inside the forward of the module that owns it;
   generation, the reference pass through the policy's disabled adapter and evaluation call the policy directly, so
   every FSDP2 module's parameters are gathered for their length (what TRL does for ZeRO-3 generation).
-- `reference_copy`: TRL's `create_reference_model` refuses under ZeRO-3 (a partitioned model cannot be deep-copied);
-  the copy is built from the policy's config, partitioned, and its weights gathered from the policy.
+- `reference_copy`: a frozen deep copy, what TRL's `create_reference_model` makes (that helper is deprecated at
+  TRL's top level and lives in `trl.experimental`, so trl_ext does not import it); a policy ZeRO-3 partitioned as it
+  loaded cannot be deep-copied: the copy is built from its config, partitioned, and its weights gathered.
 """
 
 from __future__ import annotations
@@ -33,7 +34,6 @@ from accelerate.utils import DistributedType
 from torch import nn
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
-from .._trl import create_reference_model
 from ..models import SharedBaseModels, is_quantized, response_logprobs
 
 
@@ -199,12 +199,10 @@ def fsdp2_unsharded(model: nn.Module):
 
 
 def reference_copy(policy: nn.Module) -> nn.Module:
-    """A frozen copy of the policy: TRL's `create_reference_model`; under ZeRO-3 (which that refuses) a deep copy of
-    a policy still whole (trl_ext partitions it with the other frozen models), or, for a policy partitioned as it
-    loaded, a model built from its config, partitioned, with each weight gathered from the policy."""
-    if not is_deepspeed_zero3_enabled():
-        return create_reference_model(policy)
-    if not any(hasattr(p, "ds_id") for p in policy.parameters()):
+    """A frozen copy of the policy (TRL's `create_reference_model`): a deep copy of a policy each process holds whole
+    (under ZeRO-3 trl_ext partitions it with the other frozen models), or, for a policy partitioned as it loaded, a
+    model built from its config, partitioned, with each weight gathered from the policy."""
+    if not is_deepspeed_zero3_enabled() or not any(hasattr(p, "ds_id") for p in policy.parameters()):
         ref = copy.deepcopy(policy)
     else:
         import deepspeed

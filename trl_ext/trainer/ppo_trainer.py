@@ -254,7 +254,7 @@ class PPOTrainer(PPOTrainerBase):
         elif self.is_peft_model:
             self.ref_model = None  # the policy with its adapter disabled
         else:
-            self.ref_model = reference_copy(self.policy_model)  # (TRL's create_reference_model; ZeRO-3 aware)
+            self.ref_model = reference_copy(self.policy_model)  # a frozen deep copy (ZeRO-3 aware)
 
     def _setup_batch_sizes(self, optimizers) -> None:
         """TRL's batch definitions per process, and the optimizer and scheduler given (if any)."""
