@@ -6,6 +6,8 @@ There is no model hub here: everything is built from configs. The vocabulary is 
 
 from __future__ import annotations
 
+from contextlib import contextmanager
+
 import torch
 from tokenizers import Tokenizer, models, pre_tokenizers
 from transformers import (
@@ -115,3 +117,24 @@ def tiny_4bit_causal_lm(tokenizer, folder, seed: int = 0, **overrides):
     kwargs.update(overrides)
     tiny_causal_lm(tokenizer, seed=seed, **kwargs).save_pretrained(str(folder))
     return quantized_4bit(AutoModelForCausalLM, folder)
+
+
+@contextmanager
+def loss_input_dtypes():
+    """Inside: the set of ("policy" | "value", dtype name) that the PPO update's loss terms receive from the trained
+    module (what precision its forwards return)."""
+    from .trainer import update
+
+    seen, policy_terms, value_terms = set(), update.policy_terms, update.value_terms
+
+    def record(role, original):
+        def terms(tensor, *args):
+            seen.add((role, str(tensor.dtype).removeprefix("torch.")))
+            return original(tensor, *args)
+        return terms
+
+    update.policy_terms, update.value_terms = record("policy", policy_terms), record("value", value_terms)
+    try:
+        yield seen
+    finally:
+        update.policy_terms, update.value_terms = policy_terms, value_terms

@@ -42,7 +42,14 @@ from transformers import AutoModelForCausalLM, AutoModelForSequenceClassificatio
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.models import build_shared_base, freeze_backbone
 from trl_ext.models import generate_responses as _generate
-from trl_ext.testing import quantized_4bit, tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
+from trl_ext.testing import (
+    loss_input_dtypes,
+    quantized_4bit,
+    tiny_causal_lm,
+    tiny_prompt_dataset,
+    tiny_scalar_model,
+    tiny_tokenizer,
+)
 from trl_ext.trainer.sampling import ResponseSampler
 
 GLOBAL_BATCH = 8
@@ -68,26 +75,6 @@ def seeded_generate(policy, queries, query_mask, sampling, chunk_size):
         out.append(response)
         logprobs.append(logprob)
     return torch.cat(out), torch.cat(logprobs)
-
-
-@contextmanager
-def forward_dtypes():
-    """Inside: the set of ("policy" | "value", dtype) that the update's loss terms receive from the trained module."""
-    from trl_ext.trainer import update
-
-    seen, policy_terms, value_terms = set(), update.policy_terms, update.value_terms
-
-    def record(role, original):
-        def terms(tensor, *args):
-            seen.add((role, str(tensor.dtype)))
-            return original(tensor, *args)
-        return terms
-
-    update.policy_terms, update.value_terms = record("policy", policy_terms), record("value", value_terms)
-    try:
-        yield seen
-    finally:
-        update.policy_terms, update.value_terms = policy_terms, value_terms
 
 
 @contextmanager
@@ -263,7 +250,7 @@ def run(name: str, out: str) -> dict:
             t = build_shared(run_dir, per_device, MATCHED_STEPS)
             t.train()
     elif name == "shared_autocast":  # bf16: the policy's logits and the critic's values in the compute dtype
-        with forward_dtypes() as seen:
+        with loss_input_dtypes() as seen:
             t = build_shared(run_dir, per_device, 2, bf16=True, use_cpu=True)
             t.train()
         result = {"dtypes": sorted(seen)}

@@ -3,14 +3,11 @@ dtype (no fp32 copy of the logits), bf16 is chosen only where the hardware has i
 fp32 weights through a GradScaler whose scale the checkpoint keeps (the scaler path faked on CPU), and
 full_determinism switches torch's deterministic algorithms on."""
 
-from contextlib import contextmanager
-
 import pytest
 import torch
 
 from trl_ext import PPOConfig, PPOTrainer
-from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
-from trl_ext.trainer import update
+from trl_ext.testing import loss_input_dtypes, tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 
 def args(tmp_path, **kw):
@@ -28,31 +25,12 @@ def trainer(tmp_path, **kw):
                       value_model=tiny_scalar_model(tok, seed=1), train_dataset=tiny_prompt_dataset(tok, n=8))
 
 
-@contextmanager
-def loss_input_dtypes():
-    """Inside: the dtypes the update's loss terms receive, as {"policy": {...}, "value": {...}}."""
-    seen = {"policy": set(), "value": set()}
-    policy_terms, value_terms = update.policy_terms, update.value_terms
-
-    def record(role, original):
-        def terms(tensor, *rest):
-            seen[role].add(tensor.dtype)
-            return original(tensor, *rest)
-        return terms
-
-    update.policy_terms, update.value_terms = record("policy", policy_terms), record("value", value_terms)
-    try:
-        yield seen
-    finally:
-        update.policy_terms, update.value_terms = policy_terms, value_terms
-
-
 def test_bf16_forwards_return_bf16_logits_and_values(tmp_path):
     # accelerate's prepare converts a wrapped module's outputs to fp32: the (b, T+1, V) logits would exist twice
     t = trainer(tmp_path, bf16=True, use_cpu=True)
     with loss_input_dtypes() as seen:
         t.train()
-    assert seen == {"policy": {torch.bfloat16}, "value": {torch.bfloat16}}
+    assert seen == {("policy", "bfloat16"), ("value", "bfloat16")}
     assert all(p.dtype == torch.float32 for p in t.unwrapped.parameters())  # the trained weights stay fp32
 
 
@@ -60,7 +38,7 @@ def test_fp32_forwards_stay_fp32(tmp_path):
     t = trainer(tmp_path)
     with loss_input_dtypes() as seen:
         t.train()
-    assert seen == {"policy": {torch.float32}, "value": {torch.float32}}
+    assert seen == {("policy", "float32"), ("value", "float32")}
 
 
 def test_full_determinism_switches_deterministic_algorithms_on(tmp_path):
@@ -81,7 +59,7 @@ def test_fp16_trains_fp32_weights_through_the_grad_scaler(tmp_path, fp16_on_cpu)
     before = {n: p.detach().clone() for n, p in t.unwrapped.named_parameters()}
     with loss_input_dtypes() as seen:
         t.train()
-    assert seen == {"policy": {torch.float16}, "value": {torch.float16}}
+    assert seen == {("policy", "float16"), ("value", "float16")}
     assert all(p.dtype == torch.float32 for p in t.unwrapped.parameters())
     moved = [n for n, p in t.unwrapped.named_parameters() if not torch.equal(p, before[n])]
     assert any(n.startswith("policy.") for n in moved) and any(n.startswith("value_model.") for n in moved)

@@ -196,7 +196,7 @@ def test_a_shared_base_on_two_processes_runs_under_autocast(launched):
     _, _, out = launched
     for rank in (0, 1):
         seen = torch.load(out / f"shared_autocast.rank{rank}.pt")["dtypes"]
-        assert seen == [("policy", "torch.bfloat16"), ("value", "torch.bfloat16")], (rank, seen)
+        assert seen == [("policy", "bfloat16"), ("value", "bfloat16")], (rank, seen)
 
 
 def test_critic_warmup_leaves_the_policy_bit_identical(launched):
