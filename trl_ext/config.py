@@ -22,6 +22,7 @@ from .core import KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, SAMPLER_CORRECT
 from .trainer.allocator import glibc
 
 ROLLOUT_LOGPROBS = ("trainer", "sampler")  # where π_old comes from (PPOConfig.rollout_logprobs)
+ON_NONFINITE = ("skip", "error")  # what a non-finite loss or gradient norm does (PPOConfig.on_nonfinite)
 
 STOP_TOKENS = ("eos", "none")
 VALUE_MODEL_INITS = ("given", "reward_model", "policy")
@@ -291,6 +292,18 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "Overrides of the alarm thresholds, as a dict or a JSON string, e.g. "
                   "'{\"clipfrac_max\": 0.4}'. See trl_ext.monitoring.alarms.AlarmThresholds for the names."},
     )
+    on_nonfinite: str = field(
+        default="skip",
+        metadata={"help": "A non-finite loss or gradient norm at an optimizer step (a learning rate or a reward out "
+                  "of range): 'skip' drops that step's gradients, counts it in update/skipped_steps and stops the run "
+                  "with an error after max_skipped_steps skipped steps in a row; 'error' stops at the first. Either "
+                  "way no non-finite weights are stepped into, or saved (trl_ext/trainer/update.py)."},
+    )
+    max_skipped_steps: int = field(
+        default=10,
+        metadata={"help": "With on_nonfinite='skip': this many skipped optimizer steps in a row stop the run with an "
+                  "error naming the step and the likely cause."},
+    )
     cpu_reuse_freed_memory: bool | None = field(
         default=None,
         metadata={"help": "Let glibc's malloc keep freed memory for reuse instead of page-faulting it in again each "
@@ -316,8 +329,8 @@ class PPOConfig(PPOConfigBase):
     def _validate(self):
         """Every field's check, by group; each error names the value and the fix."""
         for group in (self._check_choices, self._check_trl_update_fields, self._check_ppo_variants,
-                      self._check_trl_rollout_fields, self._check_kl_control_and_critic, self._check_vllm,
-                      self._check_rewards_and_alarms):
+                      self._check_trl_rollout_fields, self._check_kl_control_and_critic, self._check_faults,
+                      self._check_vllm, self._check_rewards_and_alarms):
             group()
 
     def _check_choices(self) -> None:
@@ -419,6 +432,13 @@ class PPOConfig(PPOConfigBase):
                f"value_head_init={self.value_head_init!r} is not one of {VALUE_HEAD_INITS} (or None).")
         _check(self.critic_learning_rate is None or self.critic_learning_rate > 0,
                f"critic_learning_rate={self.critic_learning_rate} must be > 0, or None to use learning_rate.")
+
+    def _check_faults(self) -> None:
+        """What a non-finite update does (docs/checkpoints.md)."""
+        _check(self.on_nonfinite in ON_NONFINITE,
+               f"on_nonfinite={self.on_nonfinite!r} is not one of {ON_NONFINITE}.")
+        _check(self.max_skipped_steps >= 1, f"max_skipped_steps={self.max_skipped_steps} must be >= 1 (skipped "
+               "optimizer steps in a row before the run stops; typical: 10).")
 
     def _check_vllm(self) -> None:
         """use_vllm's settings and the sampler correction."""

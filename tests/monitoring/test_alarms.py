@@ -33,7 +33,8 @@ def calm(**overrides) -> dict:
         "policy/clipfrac_avg": 0.1, "policy/approxkl_avg": 0.01, "policy/ratio_first_minibatch": 1.0,
         "policy/entropy_avg": 2.0, "val/explained_variance": 0.5, "val/warmup": 0.0,
         "rollout/response_length_mean": 40.0, "rollout/truncation_rate": 0.1,
-        "rollout/sampler_logprob_diff_mean": 1e-6,
+        "rollout/sampler_logprob_diff_mean": 1e-6, "update/skipped_steps": 0.0, "loss/policy_avg": -0.01,
+        "loss/value_avg": 0.2,
     }
     for key, value in overrides.items():
         key = key.replace("__", "/")
@@ -390,7 +391,8 @@ def _busy_stream():
     s += [calm(objective__kl=3.25, objective__scores=0.6, policy__entropy_avg=2.0 - 0.12 * k,
                rollout__truncation_rate=min(0.9, 0.1 * k), policy__ratio_first_minibatch=1.1 if k % 6 < 2 else 1.0,
                val__explained_variance=-0.1 if k < 6 else 0.3) for k in range(1, 14)]
-    s += [calm(objective__kl=12.0, objective__scores=0.6, policy__entropy_avg=0.3, rollout__truncation_rate=0.9)]
+    s += [calm(objective__kl=12.0, objective__scores=0.6, policy__entropy_avg=0.3, rollout__truncation_rate=0.9,
+               update__skipped_steps=2.0)]
     return s
 
 
@@ -445,3 +447,15 @@ def test_callback_state_is_json_and_restores_the_monitor():
     other.load_state(saved)
     assert other.monitor.active() == ["kl_blowup"] and other.monitor.thresholds.rearm_steps == 3
     assert isinstance(cb, alarms.ExportableState)
+
+
+def test_nonfinite_update_fires_on_skipped_steps_or_a_nonfinite_loss_once_per_episode():
+    monitor = AlarmMonitor()
+    assert monitor.update(1, calm()) == []
+    first = monitor.update(2, calm(update__skipped_steps=3.0))
+    assert [a.name for a in first] == ["nonfinite_update"] and "update/skipped_steps=3" in first[0].message
+    assert monitor.update(3, calm(loss__value_avg=float("inf"))) == []  # the same episode
+    for step in range(4, 7):
+        assert monitor.update(step, calm()) == []  # clear 3 times: re-armed
+    again = monitor.update(7, calm(loss__value_avg=float("inf")))
+    assert [a.name for a in again] == ["nonfinite_update"] and "loss/value_avg=inf" in again[0].message

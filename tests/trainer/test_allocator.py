@@ -45,11 +45,11 @@ def test_kept_memory_stops_the_page_faults_of_each_step():
     default, kept = step_faults("default"), step_faults("keep")
     steps_default, steps_kept = sorted(default[2:]), sorted(kept[2:])  # after the first two steps grow the heap
     # glibc's defaults: the heap's free top goes back to the OS after most steps and is faulted in again at the next
-    # (measured: 0-21,000 faults per step, the median step 4,000-18,000)
+    # (measured idle: 0-21,000 faults per step, the median step 4,000-18,000)
     assert steps_default[len(steps_default) // 2] > 1000, default
-    # kept: the median step reuses the heap and faults nothing in (measured: 0-1); now and then a step still faults
-    # one block in (up to 13,000), where the heap's free space was too fragmented for it
-    assert steps_kept[len(steps_kept) // 2] <= 1, kept
+    # kept: the median step reuses the heap (measured idle: 0-1 faults; a loaded machine's memory pressure adds a
+    # few hundred), so it is compared with its own control, the default run: under a tenth of its median
+    assert steps_kept[len(steps_kept) // 2] < 0.1 * steps_default[len(steps_default) // 2], (kept, default)
     assert sum(steps_kept) < 0.5 * sum(steps_default), (kept, default)
 
 
@@ -105,17 +105,19 @@ def test_blocks_up_to_the_largest_parameter_are_kept():
         return json.loads(out[-2]), sorted(json.loads(out[-1])[2:])
 
     grad_bytes = 16384 * 1024 * 4
-    threshold, faults = run(0)
+    threshold, control = run(0)
     assert threshold == 32 * 2**20
     # the 64 MiB gradient (and the embedding backward's output of that size) is mapped afresh every step: 16,384
     # pages each
-    assert faults[len(faults) // 2] > 16384, faults
+    assert control[len(control) // 2] > 16384, control
     threshold, faults = run(grad_bytes)
     if threshold == 32 * 2**20:  # a glibc that refuses a threshold above 32 MiB: the fallback, still mapped afresh
         assert faults[len(faults) // 2] > 16384, faults
-    else:  # glibc 2.36 (this project's machines) takes it: served from the heap, nothing faulted in
+    else:  # glibc 2.36 (this project's machines) takes it: served from the heap
         assert threshold == grad_bytes + 2**20  # the block and its allocation overhead
-        assert faults[len(faults) // 2] <= 16, faults
+        # nothing faulted in when the machine is idle (measured: 0-16 per step); a loaded machine's memory pressure
+        # adds some hundreds (measured: up to 480), so against the control run: under a tenth of its median
+        assert faults[len(faults) // 2] < 0.1 * control[len(control) // 2], (faults, control)
 
 
 def test_asking_for_it_without_glibc_is_an_error(tmp_path, monkeypatch):

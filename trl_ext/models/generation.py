@@ -54,7 +54,11 @@ class TokenSampler:
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
-        tokens = torch.multinomial(logp.exp(), num_samples=1)  # (B, 1)
+        try:
+            tokens = torch.multinomial(logp.exp(), num_samples=1)  # (B, 1)
+        except RuntimeError as e:  # torch's "probability tensor contains either inf, nan or element < 0"
+            raise FloatingPointError("the policy's next-token probabilities hold NaN/inf: its logits overflowed, so "
+                                     "its weights are out of range.") from e
         self.steps.append(logp.gather(1, tokens).squeeze(1))
         return torch.full_like(scores, float("-inf")).scatter_(1, tokens, 0.0)
 

@@ -1,6 +1,6 @@
 """Failure-mode alarms for PPO runs.
 
-`AlarmMonitor` watches the per-step metrics dict the trainer logs and raises an `Alarm` when one of six known PPO
+`AlarmMonitor` watches the per-step metrics dict the trainer logs and raises an `Alarm` when one of seven known PPO
 failure modes starts; `AlarmCallback` runs it inside the trainer and turns each alarm into a `PPOAlarmWarning` plus an
 ``alarm/<name>: 1.0`` entry in the logged metrics::
 
@@ -31,6 +31,9 @@ Alarms (the name is `Alarm.name` and the ``alarm/<name>`` log key):
                               ``hacking_window`` steps earlier (x = ``objective/scores`` or ``objective/kl``, steps
                               where both are logged), ``Δscore > 0`` and ``ΔKL > hacking_kl_min`` and
                               ``ΔKL / max(Δscore, 1e-8) > hacking_ratio`` (nats of KL bought per unit of score).
+``nonfinite_update``          the update met NaN/inf: ``update/skipped_steps > 0`` (optimizer steps skipped for a
+                              non-finite loss or gradient norm, ``on_nonfinite="skip"``), or ``loss/policy_avg`` or
+                              ``loss/value_avg`` is NaN/inf.
 ============================  ==========================================================================================
 
 **Once per episode of trouble.** An alarm fires at the step its condition starts holding, stays quiet while the
@@ -77,7 +80,7 @@ from transformers.trainer_callback import ExportableState
 __all__ = ["ALARM_NAMES", "Alarm", "AlarmCallback", "AlarmMonitor", "AlarmThresholds", "PPOAlarmWarning"]
 
 ALARM_NAMES = ("kl_blowup", "generator_mismatch", "value_lag", "entropy_collapse", "length_exploitation",
-               "reward_hacking")
+               "reward_hacking", "nonfinite_update")
 """Every alarm, in the order they are evaluated (and returned) within a step."""
 
 _EPS = 1e-8
@@ -92,6 +95,7 @@ CLIPFRAC, APPROXKL, RATIO1, ENTROPY = ("policy/clipfrac_avg", "policy/approxkl_a
 SAMPLER_DIFF = "rollout/sampler_logprob_diff_mean"
 EXPLAINED_VARIANCE, WARMUP = "val/explained_variance", "val/warmup"
 LENGTH, TRUNCATION = "rollout/response_length_mean", "rollout/truncation_rate"
+SKIPPED, LOSSES = "update/skipped_steps", ("loss/policy_avg", "loss/value_avg")
 
 
 class PPOAlarmWarning(UserWarning):
@@ -405,6 +409,15 @@ class AlarmMonitor:
                     f"{_g(t.hacking_ratio)})")
         return ""
 
+    def _nonfinite_update(self, m: Mapping) -> str | None:
+        skipped = _value(m, SKIPPED)
+        losses = {key: _value(m, key, allow_nonfinite=True) for key in LOSSES}
+        if skipped is None and all(v is None for v in losses.values()):
+            return None
+        causes = [f"{SKIPPED}={skipped:g}"] if skipped else []
+        causes += [f"{key}={v}" for key, v in losses.items() if v is not None and not math.isfinite(v)]
+        return "; ".join(causes)
+
     # ------------------------------------------------------------------------------------------------ messages
     @staticmethod
     def _remedy(name: str, m: Mapping) -> str:
@@ -432,6 +445,9 @@ class AlarmMonitor:
                                    "likely favours length). Remedy: set missing_eos_penalty (or raise it), add a "
                                    "length term to the reward, or raise response_length if the long answers are "
                                    "legitimate.",
+            "nonfinite_update": "optimizer steps met a NaN/inf loss or gradient and were skipped (the weights are "
+                                "untouched; max_skipped_steps in a row stop the run). Remedy: lower learning_rate; "
+                                "bound the rewards (reward_clip, reward_norm=\"running\"); under fp16 use bf16.",
             "reward_hacking": "the policy is buying score with large moves away from the reference (likely "
                               "exploiting the reward). Remedy: inspect the completions in samples.jsonl; raise "
                               f"kl_coef{beta} or use kl_controller=\"adaptive\" with a lower kl_target; improve the "

@@ -171,6 +171,7 @@ class UpdateStats:
         self.first_minibatch: list[torch.Tensor] = []  # per micro-batch of the first minibatch: (Σ ratio, tokens)
         self.micro_batch_ratios: list[torch.Tensor] = []  # per micro-batch: its mean ratio (for val/ratio_var)
         self.steps: dict[str, list[float]] = {}  # per optimizer step, e.g. "policy/grad_norm"
+        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient norm (the same everywhere)
         # rollout_logprobs="sampler": per micro-batch of the first minibatch, (sampler, trainer) log-probs and mask
         self.sampler_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -196,7 +197,8 @@ def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gathe
     """The update's metrics: token means of the token statistics over all micro-batches and processes,
     `policy/ratio_first_minibatch` (the token-mean ratio of the first minibatch, before any optimizer step: must be
     1), `val/ratio_var` (variance of the per-micro-batch mean ratios; 0 with a single micro-batch, TRL 1.12: NaN),
-    the mean of each per-step value (grad norms), and, where π_old was the sampler's, `rollout/sampler_logprob_diff_*`
+    the mean of each per-step value (grad norms), `update/skipped_steps` (optimizer steps skipped for a non-finite
+    loss or gradient norm), and, where π_old was the sampler's, `rollout/sampler_logprob_diff_*`
     over the first minibatch's tokens."""
     sums = torch.stack(u.token_sums).sum(0)
     n = torch.stack(u.num_tokens).sum()
@@ -211,6 +213,7 @@ def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gathe
     for key, values in u.steps.items():
         out[key] = gather(torch.tensor([sum(values) / len(values)], dtype=torch.float64,
                                        device=ratios.device)).mean().item()
+    out["update/skipped_steps"] = float(u.skipped_steps)
     if u.sampler_rows:
         out.update(sampler_metrics(*(torch.cat(column) for column in zip(*u.sampler_rows)), gather=gather))
     return out

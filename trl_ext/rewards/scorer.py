@@ -207,6 +207,21 @@ class RewardScorer:
         return weights
 
     # --------------------------------------------------------------------------------------------- introspection
+    def check_columns(self, columns: tuple[str, ...]) -> None:
+        """Refuse, before any generation, a reward function whose required arguments neither the trainer nor the
+        dataset's columns (`columns`) provide."""
+        for src in self._sources:
+            if src.kind != "function":
+                continue
+            provided = {"completion_ids", "trainer_state", *columns}
+            if src.convention == "keyword":
+                provided |= {"prompts", "completions"}
+            missing = sorted(src.required_keywords - provided)
+            if missing:
+                raise ValueError(f"reward function {src.name!r} needs the argument(s) {missing}, but the dataset's "
+                                 f"columns are {sorted(columns)}: add those columns to the dataset, or give the "
+                                 "arguments defaults.")
+
     @property
     def names(self) -> list[str]:
         """The rewards' unique names, in order (the keys of `per_source`)."""

@@ -141,9 +141,9 @@ def average_gradients_(params: list[nn.Parameter], reduce) -> None:
 
 
 @contextmanager
-def frozen_groups(zero_optimizer, groups: list[int], active: bool):
+def frozen_groups(zero_optimizer, groups: list[int], active: bool, drop_state: bool = True):
     """Inside: the listed param groups of DeepSpeed's ZeRO optimizer step at learning rate 0 (their gradients are
-    zero); after: their optimizer state is dropped, so warmup leaves no trace in it."""
+    zero); after: their optimizer state is dropped (`drop_state`), so warmup leaves no trace in it."""
     if not active:
         yield
         return
@@ -156,7 +156,7 @@ def frozen_groups(zero_optimizer, groups: list[int], active: bool):
     finally:
         for i, lr in zip(groups, saved):
             torch_groups[i]["lr"] = lr
-            for p in _fp32_partitions(zero_optimizer, i):
+            for p in _fp32_partitions(zero_optimizer, i) if drop_state else ():
                 zero_optimizer.optimizer.state.pop(p, None)
 
 
@@ -403,9 +403,15 @@ class Backend:
                 for key, params, drop in (("policy/grad_norm", wrapper.policy_parameters(), critic_only),
                                           ("val/grad_norm", wrapper.value_parameters(), False))}
 
-    def optimizer_step(self, critic_only: bool) -> None:
+    def optimizer_step(self, critic_only: bool, skip: bool = False) -> None:
         """After `clip_gradients`: the optimizer step (under DeepSpeed the engine's, with the policy's groups frozen
-        in critic warmup: `frozen_groups`)."""
+        in critic warmup: `frozen_groups`). `skip` (a non-finite update): the gradients are dropped and the weights
+        and Adam's moments are left as they are; under DeepSpeed, whose engine must step at each accumulation
+        boundary, it steps every group at learning rate 0 on zero gradients: the weights stay, Adam's moments decay
+        by one step."""
+        if skip:
+            self._skip_step()
+            return
         if self.deepspeed:
             policy_groups = [i for i, role in enumerate(self.group_roles) if role == "policy"]
             with frozen_groups(self.model.optimizer, policy_groups, critic_only):
@@ -413,6 +419,33 @@ class Backend:
         else:
             self.optimizer.step()
             self.optimizer.zero_grad()
+
+    def _skip_step(self) -> None:
+        if self.deepspeed:
+            wrapper = self.unwrap()
+            for params in (wrapper.policy_parameters(), wrapper.value_parameters()):
+                clip_role_grads_(params, self.max_norm, True, drop=True, device=self.device)
+            with frozen_groups(self.model.optimizer, list(range(len(self.group_roles))), True, drop_state=False):
+                self.model.step()
+            return
+        self.optimizer.zero_grad()
+        if self.accelerator.scaler is not None:  # fp16: close the GradScaler's step (its unscale_ was recorded)
+            self.accelerator.scaler.update()
+
+    def trained_weights_finite(self) -> bool:
+        """Whether every trained parameter and every optimizer state tensor this process holds is finite, on all
+        processes (each checks its own shards; a collective where there are several)."""
+        tensors = [getattr(p, "ds_tensor", p) for p in self.unwrap().parameters() if p.requires_grad]
+        tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: the local shard
+        optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
+        if not self.deepspeed:
+            tensors += [v for state in optimizer.state.values() for v in state.values()
+                        if torch.is_tensor(v) and v.is_floating_point()]
+        bad = torch.zeros((), device=self.device)
+        for t in tensors:
+            if t.numel():
+                bad += (~torch.isfinite(t.detach())).any().to(self.device)
+        return float(self.sum_over_processes(bad)) == 0
 
     # ------------------------------------------------------------------------------------------------ saving
     def role_state_dicts(self) -> tuple[dict | None, dict | None]:

@@ -1,20 +1,30 @@
-"""Checkpoint files of a PPO run, beyond what transformers' Trainer writes.
+"""Checkpoint files of a PPO run, beyond what transformers' Trainer writes, and what a checkpoint guarantees
+(docs/checkpoints.md).
 
 A checkpoint folder `checkpoint-N` holds: the policy (its adapter, with peft) as `save_pretrained` writes it,
 `value_model/`, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`, `trainer_state.json` (global step, episode, log
-history) and `trl_ext_state.json` (β controller state and the settings a resumed run must share). It is written into
-`checkpoint-N.partial` and renamed when complete, so a run killed mid-save leaves the previous checkpoint intact
-(`get_last_checkpoint` only sees complete `checkpoint-N` folders).
+history) and `trl_ext_state.json` (β controller state, the settings a resumed run must share, the whole config, and
+the size and sha256 of every other file: `seal`). It is written into `checkpoint-N.partial` and renamed when complete
+and sealed (`staged`), so a run killed mid-save leaves the previous checkpoint intact (`get_last_checkpoint` only sees
+complete `checkpoint-N` folders); a write that fails on any process removes the partial folder and says why, with the
+free space. A resume verifies the files (`verify`: every file the state lists, with its size and hash, and the files
+a resume needs by name); with `resume_from_checkpoint=True` the newest intact checkpoint is taken, saying which were
+skipped (`choose_checkpoint`). Resuming from an older checkpoint than the newest moves the later ones into
+`output_dir/abandoned/` (`abandon_later`), so an automatic restart continues the run resumed, not the one given up.
 
 The trainer writes the files (`PPOTrainer._save_checkpoint`, with transformers' own optimizer/RNG writers) inside
-`staged`, and resumes with `find_checkpoint`, `read_state`, `check_compatible` and `load_trained_weights`.
+`staged`, and resumes with `choose_checkpoint`, `read_state`, `check_compatible`, `load_trained_weights` and
+`changed_settings`.
 """
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
+import re
 import shutil
+import time
 from contextlib import contextmanager
 
 import torch
@@ -24,6 +34,12 @@ from transformers.utils import is_peft_available
 
 TRL_EXT_STATE = "trl_ext_state.json"
 VALUE_MODEL_DIR = "value_model"
+ABANDONED_DIR = "abandoned"
+CHECKPOINT_NAME = re.compile(r"^checkpoint-(\d+)$")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be written or must not be loaded; the message names the file and what to do."""
 
 
 def load_weights(module: torch.nn.Module, folder: str) -> None:
@@ -92,8 +108,11 @@ def run_settings(args, wrapper, num_prompts: int, is_peft: bool, shared: bool) -
 
 @contextmanager
 def staged(run_dir: str, step: int, backend, save_total_limit: int | None):
-    """Inside: write checkpoint `step` into the folder yielded (`checkpoint-N.partial`, every process); after: one
-    rename makes it `checkpoint-N`, and older checkpoints beyond `save_total_limit` go."""
+    """Inside: write checkpoint `step` into the folder yielded (`checkpoint-N.partial`, every process); after: the
+    main process seals it (`seal`), one rename makes it `checkpoint-N` (an existing `checkpoint-N` is first renamed
+    aside, then deleted), and older checkpoints beyond `save_total_limit` go. A write that fails on any process (a
+    full disk, a lost mount) fails on every process with a `CheckpointError` naming the folder and the free space; the
+    partial folder is removed and the previous checkpoints are left as they were."""
     final = os.path.join(run_dir, f"checkpoint-{step}")
     staging = final + ".partial"
     main = backend.accelerator.is_main_process
@@ -101,36 +120,187 @@ def staged(run_dir: str, step: int, backend, save_total_limit: int | None):
         shutil.rmtree(staging, ignore_errors=True)
         os.makedirs(staging)
     backend.barrier()
-    yield staging
-    backend.barrier()
+    error = None
+    try:
+        yield staging
+        if main:
+            seal(staging)
+    except Exception as e:  # noqa: BLE001 — every process must learn of it before any goes on
+        error = e
+    failed = backend.sum_over_processes(torch.tensor(float(error is not None), device=backend.device))
+    if float(failed):
+        if main:
+            shutil.rmtree(staging, ignore_errors=True)
+        if error is not None and not isinstance(error, (OSError, RuntimeError)):
+            raise error
+        # torch reports a full disk as a RuntimeError ("[enforce fail at inline_container.cc] unexpected pos")
+        raise CheckpointError(write_failure(run_dir, staging, error)) from error
     if main:
+        aside = final + ".replaced"
         if os.path.exists(final):
-            shutil.rmtree(final)
+            os.replace(final, aside)  # a kill from here on leaves one whole copy: checkpoint-N or .replaced
         os.replace(staging, final)
+        shutil.rmtree(aside, ignore_errors=True)
         rotate_checkpoints(run_dir, save_total_limit=save_total_limit)
     backend.barrier()
 
 
-def write_state(folder: str, kl_controller, reward_normalizer, settings: dict, grad_scaler=None) -> None:
-    """trl_ext's own state: β's controller, the reward normalizer's statistics, the run's settings and, under fp16,
-    the GradScaler's loss scale and growth tracker (a resumed run scales as the straight one would)."""
+def write_failure(run_dir: str, staging: str, error: Exception | None) -> str:
+    free = shutil.disk_usage(run_dir).free
+    kept = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+    need = _folder_bytes(kept) if kept else None
+    cause = f"{type(error).__name__}: {error}" if error is not None else "it failed on another process"
+    return (f"Writing the checkpoint into {staging} failed ({cause}). The disk of {run_dir} has {free / 2**20:.1f} MiB "
+            f"free" + (f"; the last checkpoint took {need / 2**20:.1f} MiB" if need else "") + ". "
+            + (f"{kept} is kept, intact. " if kept else "No earlier checkpoint exists. ")
+            + "Free space (or lower save_total_limit, or set output_dir on a larger disk) and resume with "
+            "resume_from_checkpoint=True.")
+
+
+def _folder_bytes(folder: str) -> int:
+    return sum(os.path.getsize(os.path.join(d, f)) for d, _, files in os.walk(folder) for f in files)
+
+
+def _sha256(path: str) -> str:
+    digest = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(2**24), b""):
+            digest.update(block)
+        os.fsync(f.fileno())  # on disk before the rename that publishes the checkpoint
+    return digest.hexdigest()
+
+
+def _files(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files
+                  if os.path.relpath(os.path.join(d, f), folder) != TRL_EXT_STATE)
+
+
+def seal(folder: str) -> None:
+    """Record every file of a written checkpoint (every process's) in its state file: relative path -> size and
+    sha256, so a damaged or truncated file is caught on load."""
+    path = os.path.join(folder, TRL_EXT_STATE)
+    with open(path) as f:
+        state = json.load(f)
+    state["files"] = {name: {"size": os.path.getsize(os.path.join(folder, name)),
+                             "sha256": _sha256(os.path.join(folder, name))} for name in _files(folder)}
+    with open(path, "w") as f:
+        json.dump(state, f, indent=2)
+        f.flush()
+        os.fsync(f.fileno())
+
+
+def required_files(world_size: int, engine_saves_optimizer: bool) -> list[str]:
+    """The files a resume reads by name (transformers' loaders skip a missing one silently)."""
+    rng = ["rng_state.pth"] if world_size == 1 else [f"rng_state_{i}.pth" for i in range(world_size)]
+    return ["trainer_state.json", "scheduler.pt", *rng] + ([] if engine_saves_optimizer else ["optimizer.pt"])
+
+
+def verify(checkpoint: str, required: list[str]) -> str | None:
+    """None if `checkpoint` is whole and undamaged; else what is wrong, naming the file."""
+    state_file = os.path.join(checkpoint, TRL_EXT_STATE)
+    if not os.path.isfile(state_file):
+        return f"{state_file} is missing: not a complete trl_ext checkpoint"
+    try:
+        with open(state_file) as f:
+            files = json.load(f).get("files")
+    except (OSError, ValueError) as e:
+        return f"{state_file} is unreadable ({e})"
+    for name in required:
+        if not os.path.isfile(os.path.join(checkpoint, name)):
+            return f"{os.path.join(checkpoint, name)} is missing"
+    if files is None:  # written before trl_ext sealed checkpoints: the names are all that can be checked
+        return None
+    for name, expected in files.items():
+        path = os.path.join(checkpoint, name)
+        if not os.path.isfile(path):
+            return f"{path} is missing"
+        size = os.path.getsize(path)
+        if size != expected["size"]:
+            return f"{path} has {size} bytes, {expected['size']} were written (truncated or replaced)"
+        if _sha256(path) != expected["sha256"]:
+            return f"{path} does not match the sha256 recorded when it was written (damaged on disk)"
+    return None
+
+
+def checkpoints_newest_first(output_dir: str) -> list[str]:
+    if not os.path.isdir(output_dir):
+        return []
+    steps = [(int(m.group(1)), name) for name in os.listdir(output_dir) if (m := CHECKPOINT_NAME.match(name))
+             and os.path.isdir(os.path.join(output_dir, name))]
+    return [os.path.join(output_dir, name) for _, name in sorted(steps, reverse=True)]
+
+
+def choose_checkpoint(resume_from_checkpoint: str | bool, output_dir: str, required: list[str]) -> tuple[str, list]:
+    """(the checkpoint folder to resume from, [(skipped folder, why)]): the one given, verified; or with True the
+    newest intact `checkpoint-N` in `output_dir`. A damaged one given, or none intact, is a `CheckpointError`."""
+    if resume_from_checkpoint is not True:
+        checkpoint = str(resume_from_checkpoint)
+        problem = verify(checkpoint, required)
+        if problem:
+            raise CheckpointError(f"Cannot resume from {checkpoint}: {problem}. Resume from an earlier checkpoint "
+                                  f"(or resume_from_checkpoint=True: the newest intact one in {output_dir}).")
+        return checkpoint, []
+    candidates = checkpoints_newest_first(output_dir)
+    if not candidates:
+        raise CheckpointError(f"resume_from_checkpoint=True but there is no checkpoint-N folder in {output_dir!r}; "
+                              "pass a checkpoint path or train without resuming.")
+    skipped = []
+    for checkpoint in candidates:
+        problem = verify(checkpoint, required)
+        if problem is None:
+            return checkpoint, skipped
+        skipped.append((checkpoint, problem))
+    raise CheckpointError(f"resume_from_checkpoint=True but no checkpoint in {output_dir!r} is intact: "
+                          + "; ".join(f"{c}: {p}" for c, p in skipped) + ". Start a new run.")
+
+
+def abandon_later(output_dir: str, checkpoint: str) -> list[str]:
+    """Move the checkpoints of `output_dir` later than `checkpoint` (a resume from an older one gives them up) into
+    `output_dir/abandoned/`; returns where they went. Only checkpoints inside `output_dir` are timeline members."""
+    if os.path.dirname(os.path.abspath(checkpoint)) != os.path.abspath(output_dir):
+        return []
+    step = int(CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(checkpoint))).group(1))
+    moved = []
+    for later in checkpoints_newest_first(output_dir):
+        if int(CHECKPOINT_NAME.match(os.path.basename(later)).group(1)) <= step:
+            break
+        target = os.path.join(output_dir, ABANDONED_DIR, f"{os.path.basename(later)}-{time.strftime('%Y%m%d-%H%M%S')}")
+        os.makedirs(os.path.dirname(target), exist_ok=True)
+        while os.path.exists(target):
+            target += "+"
+        os.replace(later, target)
+        moved.append(target)
+    return moved
+
+
+def write_state(folder: str, kl_controller, reward_normalizer, settings: dict, grad_scaler=None,
+                config: dict | None = None) -> None:
+    """trl_ext's own state: β's controller, the reward normalizer's statistics, the run's settings, the whole config
+    (`changed_settings`) and, under fp16, the GradScaler's loss scale and growth tracker (a resumed run scales as the
+    straight one would)."""
     state = {"kl_controller": kl_controller.state_dict(), "reward_normalizer": reward_normalizer.state_dict(),
-             "settings": settings}
+             "settings": settings, "config": config or {}}
     if grad_scaler is not None:
         state["grad_scaler"] = grad_scaler.state_dict()
     with open(os.path.join(folder, TRL_EXT_STATE), "w") as f:
         json.dump(state, f, indent=2)
 
 
-def find_checkpoint(resume_from_checkpoint: str | bool, output_dir: str) -> str:
-    """The checkpoint folder to resume from: the one given, or with True the latest in `output_dir`."""
-    checkpoint = resume_from_checkpoint
-    if checkpoint is True:
-        checkpoint = get_last_checkpoint(output_dir) if os.path.isdir(output_dir) else None
-        if checkpoint is None:
-            raise ValueError(f"resume_from_checkpoint=True but there is no checkpoint-N folder in {output_dir!r}; "
-                             "pass a checkpoint path or train without resuming.")
-    return str(checkpoint)
+# Config fields whose values a checkpoint also carries in its state (the optimizer's param groups and the scheduler's
+# base learning rates, β's controller): on resume the config wins, and the trainer re-applies them after loading.
+CONFIG_OVER_STATE = ("learning_rate", "critic_learning_rate", "weight_decay", "adam_beta1", "adam_beta2",
+                     "adam_epsilon", "kl_coef", "kl_target", "kl_horizon")
+# Where the run writes and reports, not how it trains: not compared.
+NOT_COMPARED = ("output_dir", "logging_dir", "run_name", "report_to", "disable_tqdm", "push_to_hub", "hub_model_id",
+                "hub_token", "resume_from_checkpoint", "overwrite_output_dir")
+
+
+def changed_settings(saved_config: dict, config: dict) -> dict[str, tuple]:
+    """{field: (checkpoint's value, this run's)} for every config field that differs from the checkpoint's. The fields
+    `run_settings` lists are refused before this (`check_compatible`); every other one applies from this resume on:
+    `CONFIG_OVER_STATE` re-applied over the loaded state, the rest read from the config as the run goes."""
+    return {k: (saved_config[k], v) for k, v in config.items()
+            if k not in NOT_COMPARED and k in saved_config and saved_config[k] != v}
 
 
 def read_state(checkpoint: str) -> dict:

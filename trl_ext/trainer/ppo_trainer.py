@@ -65,16 +65,23 @@ from ..rewards import RewardNormalizer, RewardScorer, has_score_head
 from .allocator import allocator_chosen_by_user, keep_freed_memory, largest_trained_block
 from .backend import Backend, Reference, reference_copy
 from .checkpoint import (
+    CONFIG_OVER_STATE,
     VALUE_MODEL_DIR,
+    CheckpointError,
+    abandon_later,
+    changed_settings,
     check_compatible,
-    find_checkpoint,
+    checkpoints_newest_first,
+    choose_checkpoint,
     load_trained_weights,
     read_state,
+    required_files,
     run_settings,
     staged,
     write_state,
 )
 from .evaluation import Evaluator, dataset_columns
+from .preemption import Preemption
 from .rollout import Rollout, RolloutPhase
 from .sampling import ResponseSampler, colocated_vllm
 from .seeds import process_seed
@@ -124,10 +131,14 @@ class PPOTrainer(PPOTrainerBase):
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         model = self._setup_shared_base(model, ref_model, value_model, peft_config)
         self._setup_stop_token()
+        own_collator = data_collator is None  # trl_ext's collator: the prompts' lengths and columns are known
         train_dataset, eval_dataset, data_collator = self._setup_prompts(train_dataset, eval_dataset, data_collator)
         self._setup_rewards(reward_model, reward_processing_classes, eval_reward, eval_dataset)
+        if own_collator:
+            self.reward_scorer.check_columns(self.column_names)
         self.value_model = self._setup_value_model(value_model, model, peft_config)  # before PEFT touches the policy
         self._setup_policy(model, ref_model, peft_config)
+        self._check_positions(train_dataset, eval_dataset, own_collator)
         self.train_dataset, self.train_dataset_len, self.eval_dataset = train_dataset, len(train_dataset), eval_dataset
         self.data_collator = data_collator
         self._setup_batch_sizes(optimizers)
@@ -255,6 +266,29 @@ class PPOTrainer(PPOTrainerBase):
             self.ref_model = None  # the policy with its adapter disabled
         else:
             self.ref_model = reference_copy(self.policy_model)  # a frozen deep copy (ZeRO-3 aware)
+
+    def _check_positions(self, train_dataset, eval_dataset, own_collator: bool) -> None:
+        """The longest prompt + response_length must fit each model's position limit (`max_position_embeddings` or
+        `n_positions`): past it GPT-2's position table raises an IndexError mid-run, and a rotary model trains on
+        positions it never learned."""
+        if own_collator:
+            longest = max((len(ids) for d in (train_dataset, eval_dataset) if d is not None for ids in d["input_ids"]),
+                          default=0)
+        elif self.args.max_prompt_length is not None:
+            longest = self.args.max_prompt_length
+        else:
+            return  # a custom collator without max_prompt_length: the prompts' lengths are not known here
+        need = longest + self.args.response_length
+        roles = {"policy": self.policy_model, "value_model": self.value_model, "ref_model": self.ref_model}
+        for role, module in roles.items():
+            config = getattr(module, "config", None)
+            limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
+            if isinstance(limit, int) and need > limit:
+                raise ValueError(f"The longest prompt has {longest} tokens and response_length="
+                                 f"{self.args.response_length}: {need} positions, beyond the {role}'s position limit "
+                                 f"({type(module).__name__}: {limit}). Set max_prompt_length <= "
+                                 f"{limit - self.args.response_length} (longer prompts are cut from the left), or "
+                                 "lower response_length.")
 
     def _setup_batch_sizes(self, optimizers) -> None:
         """TRL's batch definitions per process, and the optimizer and scheduler given (if any)."""
@@ -561,7 +595,7 @@ class PPOTrainer(PPOTrainerBase):
         each role's gradients clipped to `max_grad_norm` (trl_ext/trainer/update.py). critic_only (critic warmup):
         only the value model learns."""
         with self.phases("critic_warmup" if critic_only else "update"):
-            return self.update_phase(rollout, critic_only, self.vf_coef)
+            return self.update_phase(rollout, critic_only, self.vf_coef, self.state.global_step)
 
     @property
     def vf_coef(self) -> float:
@@ -600,8 +634,7 @@ class PPOTrainer(PPOTrainerBase):
 
     def train(self, resume_from_checkpoint: str | bool | None = None, **kwargs):
         """Run PPO. `resume_from_checkpoint`: a checkpoint folder, or True for the latest in `output_dir`."""
-        args, accelerator = self.args, self.accelerator
-        device = accelerator.device
+        args = self.args
         self.model.train()
         self._init_state()
         if resume_from_checkpoint:
@@ -617,6 +650,19 @@ class PPOTrainer(PPOTrainerBase):
                                disable=args.disable_tqdm or not self.is_world_process_zero())
         self.phases.add(progress)
 
+        with Preemption() as preemption:
+            self._train_loop(batches, progress, start_time, start_episode, preemption)
+        progress.close()
+        self.phases.listeners.remove(progress)
+        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+        if self.control.should_save:
+            self._save_checkpoint(self.model, trial=None)
+            self.control = self.callback_handler.on_save(args, self.state, self.control)
+
+    def _train_loop(self, batches, progress, start_time: float, start_episode: int, preemption: Preemption) -> None:
+        """The iterations from the current global step on; each ends at a safe boundary where a signal received
+        (`preemption`) saves a checkpoint and exits the process with status 0."""
+        args, device = self.args, self.accelerator.device
         for update in range(self.state.global_step + 1, args.num_total_batches + 1):
             self.state.episode += args.batch_size
             batch = next(batches)
@@ -626,8 +672,15 @@ class PPOTrainer(PPOTrainerBase):
             warmup = self.state.global_step < args.critic_warmup_steps
             kl_coef = self.kl_ctl.value
             # 1-7. rollout: generate, score, shape rewards with the current β, advantages
-            rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                   dataset_columns(batch))
+            try:
+                rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device),
+                                       dataset_columns(batch))
+            except FloatingPointError as e:  # the sampler met NaN/inf probabilities
+                last = self._last_checkpoint()
+                raise FloatingPointError(
+                    f"Iteration {update}: {e} Likely cause: learning_rate={args.learning_rate:g} too high. "
+                    + (f"{last} holds finite weights: resume from it with a lower learning_rate." if last else
+                       "Start again with a lower learning_rate.")) from e
             # 8. PPO epochs (value model only during critic warmup)
             stats = self.ppo_update(rollout, critic_only=warmup)
             # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
@@ -646,18 +699,21 @@ class PPOTrainer(PPOTrainerBase):
             if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
                 self.write_samples(rollout)
                 self.generate_completions(sampling=True)
-            if self.control.should_save:
+            saved = self.control.should_save
+            if saved:
                 self._save_checkpoint(self.model, trial=None)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
+            if preemption.requested(self.backend):
+                if not saved:
+                    self._save_checkpoint(self.model, trial=None)
+                folder = os.path.join(args.output_dir, f"checkpoint-{self.state.global_step}")
+                if self.accelerator.is_main_process:
+                    print(f"[trl_ext] {preemption.received or 'a signal to another process'}: saved {folder} at "
+                          f"iteration {self.state.global_step} of {args.num_total_batches}; exiting with status 0. "
+                          "Resume with train(resume_from_checkpoint=True).", flush=True)
+                raise SystemExit(0)
             if self.control.should_training_stop:
                 break
-
-        progress.close()
-        self.phases.listeners.remove(progress)
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        if self.control.should_save:
-            self._save_checkpoint(self.model, trial=None)
-            self.control = self.callback_handler.on_save(args, self.state, self.control)
 
     # ------------------------------------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
@@ -714,6 +770,14 @@ class PPOTrainer(PPOTrainerBase):
         """Write `checkpoint-N` atomically (trl_ext/trainer/checkpoint.py: into `checkpoint-N.partial`, then one
         rename), and the model card (`output_dir/README.md`), as TRL does."""
         main = self.accelerator.is_main_process
+        if not self.backend.trained_weights_finite():  # on every process: a collective under several
+            last = self._last_checkpoint()
+            raise CheckpointError(
+                f"checkpoint-{self.state.global_step} is not written: the trained weights or the optimizer's state "
+                "hold NaN/inf (with on_nonfinite the optimizer never steps on a non-finite gradient, so a step with "
+                f"finite gradients overflowed them: learning_rate={self.args.learning_rate:g} is likely too high). "
+                + (f"{last} is intact: resume from it with a lower learning_rate." if last else
+                   "No earlier checkpoint exists: start again with a lower learning_rate."))
         if main:
             self._write_model_card()
         with staged(self.args.output_dir, self.state.global_step, self.backend, self.args.save_total_limit) as folder:
@@ -729,15 +793,19 @@ class PPOTrainer(PPOTrainerBase):
                 for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
                     self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
                 self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
-                write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings(), self.accelerator.scaler)
+                write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings(), self.accelerator.scaler,
+                            self.args.to_dict())
 
-    def _resume(self, checkpoint: str | bool) -> None:
-        """Restore everything a PPO run carries from a checkpoint written by `_save_checkpoint`."""
-        checkpoint = find_checkpoint(checkpoint, self.args.output_dir)
+    def _resume(self, resume_from_checkpoint: str | bool) -> None:
+        """Restore everything a PPO run carries from a checkpoint written by `_save_checkpoint`: the one given or the
+        newest intact one, its files verified (`_choose_checkpoint`); the config's changes applied or refused by
+        name (`_apply_changed_settings`)."""
+        checkpoint = self._choose_checkpoint(resume_from_checkpoint)
         saved = read_state(checkpoint)
         check_compatible(saved["settings"], self._run_settings(), checkpoint)
         if not self.backend.load_engine_checkpoint(checkpoint):
             load_trained_weights(self.unwrapped, checkpoint, self.is_peft_model, self.shared)
+        fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.lr_scheduler.optimizer.param_groups]
         self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
         self.kl_ctl.load_state_dict(saved["kl_controller"])
@@ -751,6 +819,72 @@ class PPOTrainer(PPOTrainerBase):
             saved_state = restored.stateful_callbacks.get(cb.__class__.__name__)
             if isinstance(cb, ExportableState) and isinstance(saved_state, dict) and hasattr(cb, "load_state"):
                 cb.load_state(saved_state)
+        self._apply_changed_settings(saved.get("config", {}), fresh_groups, checkpoint)
+
+    def _choose_checkpoint(self, resume_from_checkpoint: str | bool) -> str:
+        """The checkpoint to resume from, its files verified on the main process (checkpoint.py: `choose_checkpoint`)
+        and the choice shared with every process; the later checkpoints of the run it gives up are moved into
+        `output_dir/abandoned/`."""
+        from accelerate.utils import broadcast_object_list
+
+        backend, output_dir = self.backend, self.args.output_dir
+        required = required_files(self.accelerator.num_processes, backend.deepspeed or backend.fsdp)
+        outcome = [None]
+        if self.accelerator.is_main_process:
+            try:
+                checkpoint, skipped = choose_checkpoint(resume_from_checkpoint, output_dir, required)
+                for folder, problem in skipped:
+                    print(f"[trl_ext] not resuming from {folder}: {problem}")
+                moved = abandon_later(output_dir, checkpoint)
+                if moved:
+                    print(f"[trl_ext] resuming from {checkpoint}: the later checkpoints of the run given up are moved "
+                          f"aside, to {', '.join(moved)}")
+                outcome = [("ok", checkpoint)]
+            except CheckpointError as e:
+                outcome = [("error", str(e))]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(outcome)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        return value
+
+    def _apply_changed_settings(self, saved_config: dict, fresh_groups: list[dict], checkpoint: str) -> None:
+        """Config fields changed since the checkpoint: those its state carries (`CONFIG_OVER_STATE`) re-applied over
+        the loaded state — the optimizer's hyperparameters and the schedule's base learning rates, β's controller —
+        and every change printed. (The ones a resume cannot take were refused by `check_compatible`.)"""
+        changed = changed_settings(saved_config, self.args.to_dict())
+        if not changed:
+            return
+        if any(k in changed for k in ("learning_rate", "critic_learning_rate", "weight_decay", "adam_beta1",
+                                      "adam_beta2", "adam_epsilon")):
+            scheduler = self.lr_scheduler
+            if not hasattr(scheduler, "lr_lambdas"):
+                raise ValueError(f"Cannot resume from {checkpoint} with a changed optimizer setting "
+                                 f"({sorted(set(changed) & set(CONFIG_OVER_STATE))}): the scheduler "
+                                 f"{type(scheduler).__name__} cannot be re-based. Resume with the checkpoint's values.")
+            for group, fresh, lmbda in zip(scheduler.optimizer.param_groups, fresh_groups, scheduler.lr_lambdas):
+                group.update({k: v for k, v in fresh.items() if k != "lr"})
+                group["lr"] = group["initial_lr"] * lmbda(scheduler.last_epoch)
+            scheduler.base_lrs = [g["initial_lr"] for g in scheduler.optimizer.param_groups]
+            scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+        args = self.args
+        if any(k in changed for k in ("kl_coef", "kl_target", "kl_horizon")):
+            state = self.kl_ctl.state_dict()
+            if "kl_coef" in changed:
+                state["value"] = args.kl_coef  # β restarts at the new kl_coef
+            if "target" in state:
+                state.update(target=args.kl_target, horizon=args.kl_horizon)
+            self.kl_ctl.load_state_dict(state)
+        if self.accelerator.is_main_process:
+            lines = [f"{k}: {old!r} -> {new!r}" + (" (re-applied over the checkpoint's state)" if k in
+                                                   CONFIG_OVER_STATE else "") for k, (old, new) in changed.items()]
+            print(f"[trl_ext] resuming from {checkpoint} with changed settings, which apply from here on: "
+                  + "; ".join(lines))
+
+    def _last_checkpoint(self) -> str | None:
+        found = checkpoints_newest_first(self.args.output_dir)
+        return found[0] if found else None
 
     # ------------------------------------------------------------------------------------------------ evaluation
     @property

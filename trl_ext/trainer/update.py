@@ -17,6 +17,8 @@ run forward and backward with their own adapter active (one backward per role).
 
 from __future__ import annotations
 
+import math
+
 import torch
 
 from ..core import (
@@ -67,6 +69,44 @@ def vf_coef_at(args, step: int) -> float:
     return args.vf_coef + (args.vf_coef_end - args.vf_coef) * min(progress, 1.0)
 
 
+class NonfiniteGuard:
+    """Whether an optimizer step is taken: a non-finite loss (on any process) or gradient norm skips it
+    (`on_nonfinite="skip"`: counted in `update/skipped_steps`; `max_skipped_steps` in a row stop the run) or stops the
+    run (`"error"`), so no step writes NaN/inf into the weights or Adam's moments. Under fp16, a non-finite gradient
+    norm with finite losses is the GradScaler's overflow: the scaler skips that step and lowers its scale, as it
+    should, and it is not counted."""
+
+    def __init__(self, args, backend: Backend):
+        self.args, self.backend = args, backend
+        self.in_a_row = 0  # skipped steps in a row, across iterations
+
+    def __call__(self, nonfinite_losses: torch.Tensor, norms: dict[str, float], rollout: Rollout,
+                 stats: UpdateStats, step: int) -> bool:
+        """True: skip this step. `nonfinite_losses`: this process's micro-batches with a non-finite loss; `step`: the
+        iterations done before this one."""
+        bad_losses = float(self.backend.sum_over_processes(nonfinite_losses.float()))  # the same on every process
+        bad_norms = [key for key, norm in norms.items() if not math.isfinite(norm)]
+        if not bad_losses and (not bad_norms or self.backend.accelerator.scaler is not None):
+            self.in_a_row = 0
+            return False
+        self.in_a_row += 1
+        stats.skipped_steps += 1
+        what = ", ".join(([f"the loss of {bad_losses:.0f} micro-batch(es)"] if bad_losses else [])
+                         + [f"{key}={norms[key]}" for key in bad_norms])
+        if self.args.on_nonfinite == "error" or self.in_a_row >= self.args.max_skipped_steps:
+            raw = rollout.source_scores if rollout.source_scores is not None else rollout.scores
+            scores = self.backend.gather(raw.abs().max()[None]).max().item()
+            why = ("on_nonfinite='error'" if self.args.on_nonfinite == "error" else
+                   f"{self.in_a_row} optimizer steps in a row were skipped (max_skipped_steps="
+                   f"{self.args.max_skipped_steps})")
+            raise FloatingPointError(
+                f"Non-finite update ({what}) at iteration {step + 1}; {why}. Likely causes: learning_rate="
+                f"{self.args.learning_rate:g} too high (the weights overflowed), or rewards out of range (this "
+                f"rollout's largest |score| is {scores:.4g}: clip or normalize them, reward_clip / reward_norm). No "
+                "non-finite step was taken and none is saved: resume from the last checkpoint with the cause fixed.")
+        return True
+
+
 class PPOUpdate:
     """The PPO epochs of one iteration on the backend's trained module. `micro_batch_losses` runs one micro-batch's
     forward passes and backward: one of the wrapper (separate policy and value models) or one per adapter (a shared
@@ -75,8 +115,9 @@ class PPOUpdate:
     def __init__(self, args, backend: Backend):
         self.args, self.backend = args, backend
         self.micro_batch_losses = self._shared_losses if backend.shared is not None else self._losses
+        self.guard = NonfiniteGuard(args, backend)
 
-    def __call__(self, rollout: Rollout, critic_only: bool = False, vf_coef: float = 1.0) -> UpdateStats:
+    def __call__(self, rollout: Rollout, critic_only: bool = False, vf_coef: float = 1.0, step: int = 0) -> UpdateStats:
         """critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
         weights nor its optimizer state change; only the value model learns."""
         args, accelerator, backend = self.args, self.backend.accelerator, self.backend
@@ -90,16 +131,20 @@ class PPOUpdate:
             denominators = self._denominators(rollout, order, starts)
             for k, mini_start in enumerate(starts):
                 minibatch = order[mini_start : mini_start + mini_size]
+                nonfinite_losses = torch.zeros((), device=rollout.queries.device)  # this minibatch's, on device
                 for micro_start in range(0, mini_size, micro_size):
                     micro = rollout[minibatch[micro_start : micro_start + micro_size]]
                     with accelerator.accumulate(backend.model):
                         inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
                         pg_stats, vf_stats, entropy = self.micro_batch_losses(inputs, micro, critic_only,
                                                                               denominators[k], loss_scale, vf_coef)
+                        nonfinite_losses += ~torch.isfinite(pg_stats["loss"] + vf_stats["loss"])
                         if accelerator.sync_gradients:
-                            for key, norm in backend.clip_gradients(critic_only).items():
+                            norms = backend.clip_gradients(critic_only)
+                            for key, norm in norms.items():
                                 stats.add_step(key, norm)
-                            backend.optimizer_step(critic_only)
+                            skip = self.guard(nonfinite_losses, norms, rollout, stats, step)
+                            backend.optimizer_step(critic_only, skip=skip)
                     self._record(stats, micro, pg_stats, vf_stats, entropy, epoch == 0 and mini_start == 0)
         return stats
 
