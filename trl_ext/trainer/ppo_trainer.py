@@ -837,8 +837,8 @@ class PPOTrainer(PPOTrainerBase):
                     print(f"[trl_ext] not resuming from {folder}: {problem}")
                 moved = abandon_later(output_dir, checkpoint)
                 if moved:
-                    print(f"[trl_ext] resuming from {checkpoint}: the later checkpoints of the run given up are moved "
-                          f"aside, to {', '.join(moved)}")
+                    print(f"[trl_ext] resuming from {checkpoint}: the later checkpoints (of the run given up, or "
+                          f"damaged) are moved aside, to {', '.join(moved)}")
                 outcome = [("ok", checkpoint)]
             except CheckpointError as e:
                 outcome = [("error", str(e))]
