@@ -436,11 +436,11 @@ class Backend:
         """Whether every trained parameter and every optimizer state tensor this process holds is finite, on all
         processes (each checks its own shards; a collective where there are several)."""
         tensors = [getattr(p, "ds_tensor", p) for p in self.unwrap().parameters() if p.requires_grad]
-        tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: the local shard
         optimizer = getattr(self.optimizer, "optimizer", self.optimizer)
         if not self.deepspeed:
             tensors += [v for state in optimizer.state.values() for v in state.values()
                         if torch.is_tensor(v) and v.is_floating_point()]
+        tensors = [t.to_local() if hasattr(t, "to_local") else t for t in tensors]  # FSDP2: the local shards
         bad = torch.zeros((), device=self.device)
         for t in tensors:
             if t.numel():
