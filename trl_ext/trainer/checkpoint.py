@@ -29,7 +29,7 @@ from contextlib import contextmanager
 
 import torch
 from safetensors.torch import load_file
-from transformers.trainer_utils import get_last_checkpoint, rotate_checkpoints
+from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import is_peft_available
 
 TRL_EXT_STATE = "trl_ext_state.json"
@@ -147,7 +147,7 @@ def staged(run_dir: str, step: int, backend, save_total_limit: int | None):
 
 def write_failure(run_dir: str, staging: str, error: Exception | None) -> str:
     free = shutil.disk_usage(run_dir).free
-    kept = get_last_checkpoint(run_dir) if os.path.isdir(run_dir) else None
+    kept = next(iter(checkpoints_newest_first(run_dir)), None)
     need = _folder_bytes(kept) if kept else None
     cause = f"{type(error).__name__}: {error}" if error is not None else "it failed on another process"
     return (f"Writing the checkpoint into {staging} failed ({cause}). The disk of {run_dir} has {free / 2**20:.1f} MiB "
@@ -171,8 +171,8 @@ def _sha256(path: str) -> str:
 
 
 def _files(folder: str) -> list[str]:
-    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files
-                  if os.path.relpath(os.path.join(d, f), folder) != TRL_EXT_STATE)
+    names = (os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files)
+    return sorted(name for name in names if name != TRL_EXT_STATE)
 
 
 def seal(folder: str) -> None:
