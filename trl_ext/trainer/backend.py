@@ -26,6 +26,7 @@ from __future__ import annotations
 import copy
 import functools
 import math
+import os
 import warnings
 from contextlib import contextmanager, nullcontext
 
@@ -473,6 +474,54 @@ class Backend:
             load_fsdp_model(self.accelerator.state.fsdp_plugin, self.accelerator, self.model, checkpoint)
             return True
         return False
+
+    def load_fsdp2_optimizer(self, optimizer, checkpoint: str) -> None:
+        """FSDP2's optimizer state from the files accelerate's `save_fsdp_optimizer` wrote, as its
+        `load_fsdp_optimizer` reads them but not strict: torch refuses by default a state that lacks a trainable
+        parameter, and a checkpoint from the critic warmup has none for the policy (Adam creates a parameter's state
+        at its first step). torch fills the missing ones with the state of a zero step (`_init_optim_state`: Adam's
+        step 1); they are dropped, so those parameters start their state at their first step, as in a run never
+        stopped."""
+        import torch.distributed.checkpoint as dcp
+        from accelerate.utils.constants import OPTIMIZER_NAME
+        from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
+        from torch.distributed.checkpoint.state_dict import (
+            StateDictOptions,
+            get_optimizer_state_dict,
+            set_optimizer_state_dict,
+        )
+        from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
+
+        plugin, optimizer = self.accelerator.state.fsdp_plugin, getattr(optimizer, "optimizer", optimizer)
+        full = plugin.state_dict_type == StateDictType.FULL_STATE_DICT
+        rank0_only = getattr(plugin.state_dict_config, "rank0_only", False)
+        options = StateDictOptions(full_state_dict=full, strict=False, broadcast_from_rank0=rank0_only,
+                                   cpu_offload=getattr(plugin.state_dict_config, "offload_to_cpu", False))
+        if full:  # one file, read by the main process alone when it broadcasts
+            state = (torch.load(os.path.join(checkpoint, f"{OPTIMIZER_NAME}.bin"), weights_only=True)
+                     if self.accelerator.is_main_process or not rank0_only else {})
+            saved = [sorted(state.get("state", {}))]  # the parameters (names) the checkpoint holds a state for
+            if self.accelerator.num_processes > 1 and rank0_only:
+                from accelerate.utils import broadcast_object_list
+
+                broadcast_object_list(saved)
+        else:  # torch.distributed.checkpoint's shards, into the state of every parameter (a zero step's where none)
+            reader = dcp.FileSystemReader(os.path.join(checkpoint, f"{OPTIMIZER_NAME}_0"))
+            prefix = "optimizer.state."
+            saved = [sorted({key[len(prefix):].rsplit(".", 1)[0] for key in reader.read_metadata().state_dict_metadata
+                             if key.startswith(prefix)})]
+            state = {"optimizer": get_optimizer_state_dict(self.model, optimizer, options=options)}
+            dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
+            state = state["optimizer"]
+        set_optimizer_state_dict(self.model, optimizer, state, options=options)
+        params = dict(self.model.named_parameters())
+        unknown = sorted(set(saved[0]) - set(params))
+        if unknown:
+            raise ValueError(f"The optimizer state in {checkpoint} names parameters this model does not have: "
+                             f"{unknown[:5]}. Resume with the model the checkpoint was written with.")
+        for name, param in params.items():
+            if name not in saved[0]:
+                optimizer.state.pop(param, None)
 
 
 class Reference:

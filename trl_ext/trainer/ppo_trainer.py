@@ -26,7 +26,7 @@ from accelerate.utils import GradientAccumulationPlugin
 from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerControl
 from transformers.integrations import get_reporting_integration_callbacks
-from transformers.trainer import DEFAULT_CALLBACKS
+from transformers.trainer import DEFAULT_CALLBACKS, SCHEDULER_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 from transformers.trainer_utils import enable_full_determinism, set_seed
 from transformers.utils import is_peft_available
@@ -806,7 +806,11 @@ class PPOTrainer(PPOTrainerBase):
         if not self.backend.load_engine_checkpoint(checkpoint):
             load_trained_weights(self.unwrapped, checkpoint, self.is_peft_model, self.shared)
         fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.lr_scheduler.optimizer.param_groups]
-        self._load_optimizer_and_scheduler(checkpoint)
+        if self.backend.fsdp:  # not strict: a checkpoint from the critic warmup holds no state for the policy
+            self.backend.load_fsdp2_optimizer(self.optimizer, checkpoint)
+            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+        else:
+            self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
         self.kl_ctl.load_state_dict(saved["kl_controller"])
         self.reward_normalizer.load_state_dict(saved["reward_normalizer"])
