@@ -23,6 +23,13 @@ and how it held the parameters.
   then the models from disk (partitioned as they load under ZeRO-3), no gathering for generation, an evaluation.
 - `straight`: 4 iterations, default sampling; `interrupted`: the same settings, a checkpoint every iteration, stopped
   after 2; `resumed`: a fresh trainer resumed from `interrupted`'s checkpoint-2.
+- Faults (each must end as `straight` does): `preempted`: SIGTERM to process 1 alone at iteration 2, no
+  save_strategy (the run saves and exits 0 on every process; SystemExit is caught here); `preempted_resumed`:
+  `resume_from_checkpoint=True` in its folder. `damaged`: a copy of `interrupted`'s checkpoint-1 and -2 with 64
+  bytes of process 1's engine file in checkpoint-2 flipped (`engine_file`), then deleted: both refused naming the file
+  when given by path, then `resume_from_checkpoint=True` falls back to checkpoint-1. `killed_in_save`: hangs inside
+  the save of checkpoint-2 (`hang_in_save`: after every process wrote its files) until the test SIGKILLs the launch;
+  `killed_resumed` (the next launch): `resume_from_checkpoint=True` in its folder.
 """
 
 from __future__ import annotations
@@ -31,6 +38,9 @@ import argparse
 import copy
 import functools
 import os
+import shutil
+import signal
+import time
 import zlib
 from contextlib import contextmanager
 
@@ -98,6 +108,84 @@ class StopAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step:
             control.should_training_stop = True
+
+
+class SignalAt(TrainerCallback):
+    """SIGTERM to this process at the end of iteration `step`, on process `rank` only (a scheduler's signal reaching
+    one process first)."""
+
+    def __init__(self, step, rank):
+        self.step, self.rank = step, rank
+
+    def on_step_end(self, args, state, control, **kwargs):
+        if state.global_step == self.step and args.process_index == self.rank:
+            os.kill(os.getpid(), signal.SIGTERM)
+
+
+def hang_in_save(step: int, marker_dir: str) -> None:
+    """From now on, the save of checkpoint `step` stops for good once every process has written its files into
+    `checkpoint-N.partial` (before the seal and the rename), each process writing `SAVING.rank<i>` into marker_dir."""
+    save_rng_state = PPOTrainer._save_rng_state
+
+    def hanging(self, output_dir):
+        save_rng_state(self, output_dir)
+        if self.state.global_step == step:
+            open(os.path.join(marker_dir, f"SAVING.rank{self.args.process_index}"), "w").close()
+            time.sleep(3600)
+
+    PPOTrainer._save_rng_state = hanging
+
+
+def engine_file(checkpoint: str) -> str:
+    """The path, relative to `checkpoint`, of a file process 1 wrote: its DeepSpeed optimizer partition
+    (`global_stepK/zero_pp_rank_1_*optim_states.pt`), its FSDP2 shard (`*/__1_0.distcp`, with SHARDED_STATE_DICT),
+    or its RNG state (DDP; FSDP2 with FULL_STATE_DICT, as the shipped fsdp.yaml, where process 0 writes the rest)."""
+    names = sorted(os.path.relpath(os.path.join(d, f), checkpoint) for d, _, files in os.walk(checkpoint)
+                   for f in files)
+    for pattern in ("rank_1_mp_rank_00_optim", "__1_0.distcp", "rng_state_1.pth"):
+        found = [n for n in names if pattern in os.path.basename(n)]
+        if found:
+            return found[0]
+    raise FileNotFoundError(f"no file of process 1 in {checkpoint}: {names}")
+
+
+def flip_bytes(path: str, count: int = 64) -> None:
+    with open(path, "r+b") as f:
+        f.seek(os.path.getsize(path) // 2)
+        chunk = f.read(count)
+        f.seek(-len(chunk), os.SEEK_CUR)
+        f.write(bytes(b ^ 0xFF for b in chunk))
+
+
+def listing(folder: str) -> list[str]:
+    return sorted(os.path.relpath(os.path.join(d, f), folder) for d, _, files in os.walk(folder) for f in files)
+
+
+def damaged_run(run_dir: str, interrupted: str, per_device: int) -> tuple[PPOTrainer, dict]:
+    """`damaged`: see the module docstring; returns the trainer resumed with True and what each step saw."""
+    main = int(os.environ.get("RANK", "0")) == 0
+    target = os.path.join(run_dir, "checkpoint-2")
+    t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1, save_strategy="steps", save_steps=1)
+    if main:
+        for step in ("checkpoint-1", "checkpoint-2"):
+            shutil.copytree(os.path.join(interrupted, step), os.path.join(run_dir, step))
+    t.accelerator.wait_for_everyone()
+    name = engine_file(target)
+    errors = []
+    for damage in (flip_bytes, os.remove):
+        if main:
+            damage(os.path.join(target, name))
+        t.accelerator.wait_for_everyone()
+        try:
+            t.train(resume_from_checkpoint=target)
+        except ValueError as error:  # CheckpointError
+            errors.append(f"{type(error).__name__}: {error}")
+        else:
+            errors.append(None)
+    t.train(resume_from_checkpoint=True)
+    abandoned = os.path.join(run_dir, "abandoned")
+    return t, {"file": name, "errors": errors,
+               "abandoned": sorted(os.listdir(abandoned)) if os.path.isdir(abandoned) else []}
 
 
 _WHOLE_MODELS: dict = {}
@@ -230,7 +318,7 @@ def sharded(trainer: PPOTrainer) -> str:
 def run(name: str, out: str) -> dict:
     per_device = GLOBAL_BATCH // _world_size_hint()
     run_dir = os.path.join(out, name)
-    initial = None
+    initial, extra = None, {}
     if name in ("matched", "matched_lora", "matched_trunk"):
         with matched_sampling():  # ragged responses: stop at a likely EOS; critic warmup, then 2 PPO steps
             t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0, lora=name != "matched",
@@ -281,10 +369,30 @@ def run(name: str, out: str) -> dict:
         else:
             t = make(interrupted, per_device, RESUME_STEPS, save_strategy="steps", save_steps=1)
             t.train(resume_from_checkpoint=os.path.join(interrupted, "checkpoint-2"))
+    elif name == "preempted":
+        t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1, callbacks=[SignalAt(2, rank=1)])
+        try:
+            t.train()
+        except SystemExit as exit_:
+            extra["exit_code"] = exit_.code
+    elif name in ("preempted_resumed", "killed_resumed"):
+        folder = os.path.join(out, name.replace("_resumed", "_in_save" if name.startswith("killed") else ""))
+        extra["before"] = listing(folder)
+        saving = dict(save_strategy="steps", save_steps=1) if name == "killed_resumed" else {}
+        t = build(folder, per_device, RESUME_STEPS, critic_warmup_steps=1, **saving)
+        t.train(resume_from_checkpoint=True)
+    elif name == "damaged":
+        t, extra = damaged_run(run_dir, os.path.join(out, "interrupted"), per_device)
+    elif name == "killed_in_save":
+        hang_in_save(2, out)
+        t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1, save_strategy="steps", save_steps=1)
+        t.train()
+        raise AssertionError("killed_in_save must hang in the save of checkpoint-2 until it is killed")
     else:
         raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, matched_trunk, warmup, loaded, "
-                         "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast")
-    result = summary(t) | {"initial": initial}
+                         "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast, "
+                         "preempted, preempted_resumed, damaged, killed_in_save, killed_resumed")
+    result = summary(t) | {"initial": initial} | extra
     if t.accelerator.is_main_process:
         torch.save(result, os.path.join(out, f"{name}.pt"))
     t.accelerator.wait_for_everyone()

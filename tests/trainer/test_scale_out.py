@@ -1,6 +1,7 @@
 """trl_ext on 2 CPU processes under each engine it ships a config for, against one process holding the same global
 batch: DDP, DeepSpeed ZeRO-2 and ZeRO-3 (`recipes/accelerate_configs/deepspeed_zero{2,3}.yaml`), FSDP2
-(`recipes/accelerate_configs/fsdp.yaml`), each config as shipped but for `--num_processes 2 --mixed_precision no`.
+(`recipes/accelerate_configs/fsdp.yaml`), each config as shipped but for `--num_processes 2 --mixed_precision no`,
+and FSDP2 once more with `--fsdp_state_dict_type SHARDED_STATE_DICT` (checkpoints as one shard per process).
 
 One `accelerate launch` per engine runs tests/scripts/ddp_runs.py's runs in the same two processes:
 
@@ -22,6 +23,10 @@ One `accelerate launch` per engine runs tests/scripts/ddp_runs.py's runs in the 
   checkpoint-2 by a fresh trainer: weights and every logged metric bit-identical (DeepSpeed resumes from its engine
   checkpoint, FSDP2 from its own files; each process's RNG state is restored). The checkpoint's policy weights
   (gathered from the shards) must be the trained ones.
+- Faults, each resumed and then bit-identical to `straight`: SIGTERM to process 1 alone (both save and exit 0);
+  process 1's file of a checkpoint flipped, then deleted (refused by name; `resume_from_checkpoint=True` falls back
+  to the checkpoint before); the whole launch SIGKILLed inside a save, after every process wrote its files (a launch
+  of its own, first: `kill_inside_a_save`).
 
 accelerate 1.15 runs neither DeepSpeed nor FSDP on CPU processes by itself; `tests/scripts/engine_shim.py` (imported
 by the launched script only) patches the two places, see its docstring. DeepSpeed compiles one op the first time
@@ -29,8 +34,10 @@ by the launched script only) patches the two places, see its docstring. DeepSpee
 """
 
 import os
+import signal
 import subprocess
 import sys
+import time
 import warnings
 from pathlib import Path
 
@@ -51,14 +58,24 @@ ENGINES = {
     "zero2": (["--config_file", str(CONFIGS / "deepspeed_zero2.yaml")], "DEEPSPEED", "whole"),
     "zero3": (["--config_file", str(CONFIGS / "deepspeed_zero3.yaml")], "DEEPSPEED", "zero3"),
     "fsdp2": (["--config_file", str(CONFIGS / "fsdp.yaml")], "FSDP", "dtensor"),
+    # its checkpoints as torch.distributed.checkpoint shards, one per process, instead of whole files
+    "fsdp2_sharded": (["--config_file", str(CONFIGS / "fsdp.yaml"), "--fsdp_state_dict_type", "SHARDED_STATE_DICT"],
+                      "FSDP", "dtensor"),
 }
 RUNS = ["matched", "matched_lora", "matched_trunk", "warmup", "loaded", "straight", "interrupted", "resumed"]
+# faults, after `interrupted` (whose checkpoints `damaged` copies); `killed_in_save` runs in a launch of its own, first
+FAULT_RUNS = ["preempted", "preempted_resumed", "damaged", "killed_resumed"]
+# the file of process 1 that `damaged` flips and then deletes (ddp_runs.engine_file; under the shipped fsdp.yaml,
+# FULL_STATE_DICT, process 1 writes only its RNG state)
+ENGINE_FILES = {"ddp": "rng_state_1.pth", "zero2": "zero_pp_rank_1_mp_rank_00_optim_states.pt",
+                "zero3": "zero_pp_rank_1_mp_rank_00_optim_states.pt", "fsdp2": "rng_state_1.pth",
+                "fsdp2_sharded": "__1_0.distcp"}
 # a shared 4-bit base: trained under DDP; refused with an error under ZeRO-2 and FSDP2 (neither can shard 4-bit
 # weights); under ZeRO-3 the 4-bit base cannot even load (loading it partitioned hangs, before trl_ext is reached)
 SHARED_RUNS = {"ddp": ["shared_matched", "shared_straight", "shared_interrupted", "shared_resumed", "shared_autocast"],
                "zero2": ["shared_refused", "quantized_refused"], "zero3": [],
-               "fsdp2": ["shared_refused", "quantized_refused"]}
-PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526}
+               "fsdp2": ["shared_refused", "quantized_refused"], "fsdp2_sharded": []}
+PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526, "fsdp2_sharded": 29527}
 
 # Differ between 2 processes and 1 by construction, not by a fault:
 # - val/ratio_var: the variance of the per-micro-batch mean ratios, over 2 x (micro-batches) values with 2
@@ -81,16 +98,23 @@ def launched(request, tmp_path_factory):
     engine = request.param
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    runs = RUNS + SHARED_RUNS[engine]
+    runs = RUNS + FAULT_RUNS + SHARED_RUNS[engine]
     if engine == "ddp":
         env["ACCELERATE_USE_CPU"] = "true"
 
-    def launch():  # into a fresh folder
+    def launch():  # into a fresh folder: first the launch killed inside a save, then the runs
         out = tmp_path_factory.mktemp(engine)
-        cmd = [sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine][0], "--num_processes", "2",
-               "--mixed_precision", "no", "--main_process_port", str(PORTS[engine]),
-               str(ROOT / "tests" / "scripts" / "ddp_runs.py"), "--out", str(out), "--runs", ",".join(runs)]
-        return out, subprocess.run(cmd, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
+
+        def command(port, names):
+            return [sys.executable, "-m", "accelerate.commands.launch", *ENGINES[engine][0], "--num_processes", "2",
+                    "--mixed_precision", "no", "--main_process_port", str(port),
+                    str(ROOT / "tests" / "scripts" / "ddp_runs.py"), "--out", str(out), "--runs", ",".join(names)]
+
+        kill_inside_a_save(command(PORTS[engine] + 10, ["killed_in_save"]), out, env)
+        proc = subprocess.run(command(PORTS[engine], runs), capture_output=True, text=True, env=env, timeout=900,
+                              cwd=ROOT)
+        (out / "launch.stdout").write_text(proc.stdout)
+        return out, proc
 
     out, proc = launch()
     if proc.returncode != 0 and NATIVE_ABORT in proc.stderr:
@@ -100,6 +124,24 @@ def launched(request, tmp_path_factory):
     assert proc.returncode == 0, proc.stderr[-4000:]
     assert "RUNS DONE" in proc.stdout
     return engine, {name: torch.load(out / f"{name}.pt") for name in runs}, out
+
+
+def kill_inside_a_save(command: list[str], out: Path, env: dict) -> None:
+    """Launch `killed_in_save` and SIGKILL the whole launch (its process group: the launcher and both processes)
+    once every process has written its files into checkpoint-2.partial (`ddp_runs.hang_in_save`'s markers)."""
+    markers = [out / f"SAVING.rank{rank}" for rank in (0, 1)]
+    with open(out / "killed.stderr", "w") as stderr:
+        proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=ROOT,
+                                start_new_session=True)
+        try:
+            deadline = time.monotonic() + 600
+            while not all(m.exists() for m in markers):
+                assert proc.poll() is None, f"ended before the save: {(out / 'killed.stderr').read_text()[-3000:]}"
+                assert time.monotonic() < deadline, "the launch did not reach the save of checkpoint-2 in 600 s"
+                time.sleep(0.2)
+        finally:
+            os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
 
 
 @pytest.fixture(scope="module")
@@ -226,6 +268,17 @@ def test_save_and_resume_give_the_uninterrupted_run(launched):
     assert interrupted["global_step"] == 2 and (checkpoint / "rng_state_1.pth").exists()
     assert resumed["global_step"] == straight["global_step"] == ddp_runs.RESUME_STEPS
     assert not torch.equal(interrupted["policy"], straight["policy"])
+    _as_straight(resumed, straight, engine)
+    # the checkpoint's policy (for inference) holds the whole trained weights, gathered from the shards
+    saved = load_file(checkpoint / "model.safetensors")
+    names = [n for n, _ in ddp_runs.build(str(out / "names"), 8, 1).unwrapped.policy.named_parameters()]
+    torch.testing.assert_close(torch.cat([saved[n].flatten().float() for n in names]), interrupted["policy"],
+                               rtol=0, atol=0)
+
+
+def _as_straight(resumed: dict, straight: dict, engine: str) -> None:
+    """A resumed run ended as the uninterrupted one: bit-identical weights and logged metrics (but throughput)."""
+    assert resumed["global_step"] == straight["global_step"] == ddp_runs.RESUME_STEPS
     assert torch.equal(resumed["policy"], straight["policy"]), f"{engine}: resumed policy differs"
     assert torch.equal(resumed["value"], straight["value"]), f"{engine}: resumed value model differs"
 
@@ -233,8 +286,52 @@ def test_save_and_resume_give_the_uninterrupted_run(launched):
         return [{k: v for k, v in log.items() if k != "eps"} for log in logs]
 
     assert comparable(resumed["logs"]) == comparable(straight["logs"])
-    # the checkpoint's policy (for inference) holds the whole trained weights, gathered from the shards
-    saved = load_file(checkpoint / "model.safetensors")
-    names = [n for n, _ in ddp_runs.build(str(out / "names"), 8, 1).unwrapped.policy.named_parameters()]
-    torch.testing.assert_close(torch.cat([saved[n].flatten().float() for n in names]), interrupted["policy"],
-                               rtol=0, atol=0)
+
+
+def test_sigterm_to_one_process_saves_on_both_exits_0_and_resumes_exactly(launched):
+    """SIGTERM reaches process 1 alone (a scheduler signals each process when it likes) at iteration 2 of a run that
+    saves nothing by itself: both processes save checkpoint-2 (every process's files) and exit with status 0."""
+    engine, results, out = launched
+    preempted, resumed = results["preempted"], results["preempted_resumed"]
+    assert preempted["exit_code"] == 0 and preempted["global_step"] == 2
+    folder = out / "preempted" / "checkpoint-2"
+    assert f"saved {folder} at iteration 2 of 4; exiting with status 0" in (out / "launch.stdout").read_text()
+    saved = set(resumed["before"])
+    assert {f"checkpoint-2/{f}" for f in ("rng_state_0.pth", "rng_state_1.pth", "trl_ext_state.json")} <= saved
+    assert not any(name.startswith(("checkpoint-1/", "checkpoint-3/")) for name in saved), saved
+    _as_straight(resumed, results["straight"], engine)
+
+
+def test_a_damaged_or_missing_shard_is_refused_by_name_and_resume_true_falls_back(launched):
+    """Process 1's file of checkpoint-2 (its DeepSpeed optimizer partition; under DDP and the shipped FSDP2 config its
+    RNG state): 64 bytes flipped, then the file deleted. Given by path, each is refused naming the file; with True
+    the run resumes from checkpoint-1 (checkpoint-2 moved aside) and ends as the uninterrupted run. checkpoint-1
+    comes from the critic warmup, so its optimizer state has none for the policy (FSDP2's loader would refuse that:
+    `Backend.load_fsdp2_optimizer`)."""
+    engine, results, out = launched
+    damaged = results["damaged"]
+    name = damaged["file"]
+    assert os.path.basename(name) == ENGINE_FILES[engine], name
+    path = out / "damaged" / "checkpoint-2" / name
+    flipped, missing = damaged["errors"]
+    assert flipped is not None and f"{path} does not match the sha256 recorded when it was written" in flipped
+    assert missing is not None and f"{path} is missing" in missing
+    assert f"not resuming from {out / 'damaged' / 'checkpoint-2'}: {path} is missing" in (
+        out / "launch.stdout").read_text()
+    assert len(damaged["abandoned"]) == 1 and damaged["abandoned"][0].startswith("checkpoint-2-")
+    _as_straight(damaged, results["straight"], engine)
+
+
+def test_sigkill_inside_a_save_leaves_the_previous_checkpoint_and_the_resume_is_exact(launched):
+    """Both processes SIGKILLed (with the launcher) after writing their files of checkpoint-2, before it is sealed
+    and renamed: the partial folder is not a checkpoint; `resume_from_checkpoint=True` takes checkpoint-1."""
+    engine, results, _ = launched
+    killed = results["killed_resumed"]
+    left = killed["before"]
+    assert "checkpoint-1/trl_ext_state.json" in left
+    assert not any(name.startswith("checkpoint-2/") for name in left), left
+    partial = {name.removeprefix("checkpoint-2.partial/") for name in left if name.startswith("checkpoint-2.partial/")}
+    assert {"rng_state_0.pth", "rng_state_1.pth", "model.safetensors"} <= partial, sorted(partial)
+    own = ENGINE_FILES[engine]  # the engine's own files, of both processes
+    assert {own, own.replace("1", "0", 1)} <= {os.path.basename(name) for name in partial}, sorted(partial)
+    _as_straight(killed, results["straight"], engine)
