@@ -304,6 +304,22 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "With on_nonfinite='skip': this many skipped optimizer steps in a row stop the run with an "
                   "error naming the step and the likely cause."},
     )
+    padding_free: bool = field(
+        default=False,
+        metadata={"help": "Run every forward and backward over the real tokens only (TRL's field name): each pass "
+                  "packs its rows (prompt + response, no padding) into one sequence whose position ids restart at "
+                  "each row, for the policy (rollout and update), the reference, the critic and reward models in "
+                  "TRL's layout. The same numbers as the padded layout, less compute where answers stop early "
+                  "(perf/padding_fraction). Each model is checked once when the trainer is built "
+                  "(trl_ext/models/packing.py)."},
+    )
+    max_tokens_per_micro_batch: int | None = field(
+        default=None,
+        metadata={"help": "With padding_free: micro-batches (and rollout scoring chunks) formed by real tokens "
+                  "(prompt + response) instead of rows: consecutive rows of a minibatch up to this many tokens, "
+                  "one optimizer step per minibatch as before (the loss keeps its token mean over the whole "
+                  "minibatch). None: per_device_train_batch_size / local_rollout_forward_batch_size rows."},
+    )
     cpu_reuse_freed_memory: bool | None = field(
         default=None,
         metadata={"help": "Let glibc's malloc keep freed memory for reuse instead of page-faulting it in again each "
@@ -330,7 +346,7 @@ class PPOConfig(PPOConfigBase):
         """Every field's check, by group; each error names the value and the fix."""
         for group in (self._check_choices, self._check_trl_update_fields, self._check_ppo_variants,
                       self._check_trl_rollout_fields, self._check_kl_control_and_critic, self._check_faults,
-                      self._check_vllm, self._check_rewards_and_alarms):
+                      self._check_vllm, self._check_rewards_and_alarms, self._check_packing):
             group()
 
     def _check_choices(self) -> None:
@@ -493,3 +509,11 @@ class PPOConfig(PPOConfigBase):
         _check(self.total_episodes is None or self.total_episodes >= 1,
                f"total_episodes={self.total_episodes} must be >= 1 (or None: num_train_epochs x dataset size): at 0 "
                "TRL trains no step.")
+
+    def _check_packing(self) -> None:
+        budget = self.max_tokens_per_micro_batch
+        _check(budget is None or (isinstance(budget, int) and budget > 0),
+               f"max_tokens_per_micro_batch={budget!r} must be a positive number of tokens, or None for row counts.")
+        _check(budget is None or self.padding_free,
+               f"max_tokens_per_micro_batch={budget} sizes micro-batches by real tokens, which only bounds the "
+               "work when padding is not computed: set padding_free=True as well.")

@@ -22,6 +22,7 @@ from trl_ext.models import (
     scalar_head_outputs,
     sequence_inputs,
 )
+from trl_ext.monitoring.diagnostics import WALL_CLOCK_KEYS
 from trl_ext.testing import (
     quantized_4bit,
     tiny_4bit_causal_lm,
@@ -414,7 +415,7 @@ def test_shared_base_run_resumes_to_the_same_weights(tmp_path):
     assert resumed.state.global_step == straight.state.global_step == 2
     for p, q in zip(resumed_shared.trainable_parameters(), straight_shared.trainable_parameters()):
         assert torch.equal(p, q)
-    logs = lambda t: [{k: v for k, v in h.items() if k != "eps"} for h in t.state.log_history  # noqa: E731
+    logs = lambda t: [{k: v for k, v in h.items() if k not in WALL_CLOCK_KEYS} for h in t.state.log_history  # noqa: E731
                       if "objective/scores" in h]
     assert logs(resumed) == logs(straight)
 

@@ -57,6 +57,8 @@ def test_rollout_metrics_by_hand():
         "val/num_eos_tokens": 1.0,
         "rollout/response_length_mean": 3.0,  # (2 + 4) / 2
         "rollout/truncation_rate": 0.5,  # row 1 hit the cap without EOS
+        # real tokens: row 0: 1 prompt + 2 response, row 1: 2 + 4 -> 9 of the 2 x (2 + 4) = 12 padded positions
+        "rollout/tokens": 9.0, "perf/padding_fraction": 0.25,
     }
     assert set(got) == set(expected)
     for key, value in expected.items():

@@ -50,6 +50,8 @@ sys.path.insert(0, str(ROOT / "tests" / "scripts"))
 
 import ddp_runs  # noqa: E402
 
+from trl_ext.monitoring.diagnostics import WALL_CLOCK_KEYS  # noqa: E402
+
 pytestmark = pytest.mark.slow
 
 # launch arguments after `accelerate launch`, the distributed type accelerate reports, how parameters are held
@@ -83,7 +85,7 @@ PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526, "fsdp2_sh
 # - val/clipfrac_avg: trl_ext/core/losses.py builds V_clip = V_old + clamp(V − V_old, ±c), which differs from V by a
 #   rounding error inside the range, and counts V_clip's error > V's as clipped: float noise decides some tokens;
 # - eps: throughput.
-NOT_COMPARED = {"val/ratio_var", "val/clipfrac_avg", "eps"}
+NOT_COMPARED = {"val/ratio_var", "val/clipfrac_avg", *WALL_CLOCK_KEYS}
 
 
 # One ZeRO-3 launch in about ten on CPU (CI, 2026-12-01, transformers 5.18) lost a process to SIGABRT with this C++
@@ -214,8 +216,8 @@ def test_a_shared_4bit_base_on_two_processes_matches_one_process(launched, one_p
     assert resumed["global_step"] == straight["global_step"] == ddp_runs.RESUME_STEPS
     assert not torch.equal(results["shared_interrupted"]["policy"], straight["policy"])
     assert torch.equal(resumed["policy"], straight["policy"]) and torch.equal(resumed["value"], straight["value"])
-    assert ([{k: v for k, v in log.items() if k != "eps"} for log in resumed["logs"]]
-            == [{k: v for k, v in log.items() if k != "eps"} for log in straight["logs"]])
+    assert ([{k: v for k, v in log.items() if k not in WALL_CLOCK_KEYS} for log in resumed["logs"]]
+            == [{k: v for k, v in log.items() if k not in WALL_CLOCK_KEYS} for log in straight["logs"]])
 
 
 @pytest.mark.parametrize("launched", ["zero2", "fsdp2"], indirect=True)
@@ -283,7 +285,7 @@ def _as_straight(resumed: dict, straight: dict, engine: str) -> None:
     assert torch.equal(resumed["value"], straight["value"]), f"{engine}: resumed value model differs"
 
     def comparable(logs):
-        return [{k: v for k, v in log.items() if k != "eps"} for log in logs]
+        return [{k: v for k, v in log.items() if k not in WALL_CLOCK_KEYS} for log in logs]
 
     assert comparable(resumed["logs"]) == comparable(straight["logs"])
 

@@ -15,6 +15,7 @@ from peft import LoraConfig
 from transformers import TrainerCallback
 
 from trl_ext import PPOConfig, PPOTrainer
+from trl_ext.monitoring.diagnostics import WALL_CLOCK_KEYS
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -216,7 +217,7 @@ def test_critic_learning_rate(tmp_path):
 # --- resume -------------------------------------------------------------------------------------------------------
 
 def comparable(logs):
-    return [{k: v for k, v in log.items() if k != "eps"} for log in logs]
+    return [{k: v for k, v in log.items() if k not in WALL_CLOCK_KEYS} for log in logs]
 
 
 @pytest.mark.parametrize("peft", [False, True], ids=["full", "lora"])

@@ -40,3 +40,30 @@ class PromptBatches(Sampler[list[int]]):
             start = i * self.global_batch_size + self.rank * self.local_batch_size
             yield order[start : start + self.local_batch_size].tolist()
             batch += 1
+
+
+def token_budget_groups(lengths: list[int], budget: int, groups: int | None = None) -> list[list[int]]:
+    """Consecutive rows in groups of at most `budget` tokens (`lengths`: each row's real tokens): a micro-batch or
+    scoring chunk per group (`PPOConfig.max_tokens_per_micro_batch`). `groups`: exactly this many (the largest count
+    over processes, so every process runs the same number of forwards and backwards): the groups with the most tokens
+    are halved until there are that many (each half is still within the budget). Raises for a row over the budget."""
+    over = [i for i, n in enumerate(lengths) if n > budget]
+    if over:
+        raise ValueError(f"max_tokens_per_micro_batch={budget} is smaller than row {over[0]}'s {lengths[over[0]]} "
+                         "tokens (prompt + response): raise it to at least max prompt length + response_length.")
+    out: list[list[int]] = []
+    used = budget + 1
+    for i, n in enumerate(lengths):
+        if used + n > budget:
+            out.append([])
+            used = 0
+        out[-1].append(i)
+        used += n
+    if groups is not None:
+        if not len(out) <= groups <= len(lengths):
+            raise ValueError(f"{groups} groups of {len(lengths)} rows that need {len(out)}")
+        while len(out) < groups:
+            k = max((k for k in range(len(out)) if len(out[k]) > 1), key=lambda k: sum(lengths[i] for i in out[k]))
+            half = len(out[k]) // 2
+            out[k : k + 1] = [out[k][:half], out[k][half:]]
+    return out

@@ -3,6 +3,7 @@
     forward.py       forward passes with real attention masks; log-probs of the response tokens
     generation.py    sampling from the policy as is (`TokenSampler`), `generate_responses`
     vllm_sampler.py  the colocated vLLM engine as a sampler, with the weight sync
+    packing.py       padding-free forwards: a batch's real tokens as one sequence (`Packing`), and back
     value.py         the critic: value heads, the policy+value wrapper, the value model's initialisation, its frozen
                      trunk (`FrozenTrunk`)
     shared_base.py   one base for every role (`build_shared_base`, `SharedBaseModels`)
@@ -21,6 +22,7 @@ from .forward import (
     sequence_inputs,
 )
 from .generation import Sampling, TokenSampler, eval_mode, generate_responses, generation_config_of, sampling_config
+from .packing import Packing, check_padding_free
 from .preparation import CHECKPOINTING_KWARGS, disable_bnb_cpu_repack, disable_dropout, is_quantized
 from .shared_base import CRITIC, POLICY, REWARD, SharedBaseModels, SharedRoleModel, build_shared_base
 from .value import (
@@ -34,9 +36,10 @@ from .value import (
 )
 
 __all__ = [
-    "CHECKPOINTING_KWARGS", "CRITIC", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "PolicyAndValueWrapper", "REWARD",
-    "Sampling", "SharedBaseModels", "SharedRoleModel", "TokenSampler", "accepts_logits_to_keep",
-    "build_shared_base", "build_value_model", "disable_bnb_cpu_repack", "disable_dropout", "eval_mode",
+    "CHECKPOINTING_KWARGS", "CRITIC", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "Packing", "PolicyAndValueWrapper",
+    "REWARD", "Sampling", "SharedBaseModels", "SharedRoleModel", "TokenSampler", "accepts_logits_to_keep",
+    "build_shared_base", "build_value_model", "check_padding_free", "disable_bnb_cpu_repack", "disable_dropout",
+    "eval_mode",
     "freeze_backbone", "generate_responses", "generation_config_of", "is_quantized", "lm_logits",
     "lora_for_quantized_value_model", "model_input_ids", "position_ids_from_mask", "probe_batch",
     "response_logprobs", "sampling_config", "scalar_head_outputs", "sequence_inputs",

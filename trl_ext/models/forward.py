@@ -47,10 +47,14 @@ def _forward_accepts_logits_to_keep(model_class: type) -> bool:  # inspect.signa
         return False
 
 
-def lm_logits(model: nn.Module, inputs: dict, logits_to_keep: int = 0) -> torch.Tensor:
-    """(B, L', V) logits: the last `logits_to_keep` positions where the model supports it (0: all L positions)."""
-    kwargs = {"logits_to_keep": logits_to_keep} if logits_to_keep and accepts_logits_to_keep(model) else {}
-    return model(**inputs, use_cache=False, **kwargs).logits
+def lm_logits(model: nn.Module, inputs: dict, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
+    """(B, L', V) logits: the last `logits_to_keep` positions where the model supports it (0: all L positions), or
+    the positions a 1-D index tensor names (a packed sequence's, `Packing.keep`: (1, R, V), on any model)."""
+    indexed = isinstance(logits_to_keep, torch.Tensor)
+    if not (indexed or logits_to_keep) or not accepts_logits_to_keep(model):
+        logits = model(**inputs, use_cache=False).logits
+        return logits[:, logits_to_keep] if indexed else logits
+    return model(**inputs, use_cache=False, logits_to_keep=logits_to_keep).logits
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:
@@ -74,10 +78,15 @@ def sequence_inputs(queries, query_mask, responses, response_mask) -> dict[str, 
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
-def response_logprobs(model: nn.Module, inputs: dict, responses: torch.Tensor, temperature: float) -> torch.Tensor:
+def response_logprobs(model: nn.Module, inputs: dict, responses: torch.Tensor, temperature: float,
+                      packing=None) -> torch.Tensor:
     """(B, T) fp32 log π(response token) under softmax(logits / temperature), without a (B, T, V) fp32 tensor.
     `inputs` from `sequence_inputs`; the tokens are its last T ids (positions after the stop token hold id 0 there,
-    where `responses` may hold a pad id the model does not have)."""
+    where `responses` may hold a pad id the model does not have). With a `Packing` of them the forward is
+    padding-free, and the positions after the stop token hold 0."""
+    if packing is not None:
+        logits = lm_logits(model, packing.inputs, packing.keep)  # (1, R, V)
+        return packing.responses(token_logprobs(logits, packing.targets[None], temperature, LOGPROB_CHUNK)[0])
     T = responses.shape[1]
     logits = lm_logits(model, inputs, T + 1)  # (B, T+1, V) or (B, Q+T, V)
     return token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:], temperature, LOGPROB_CHUNK)

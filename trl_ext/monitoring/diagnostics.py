@@ -19,6 +19,7 @@ from ..core import estimate_kl
 from ..trainer.rollout import Rollout
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # (B, k) on each process -> (B·processes, k)
+WALL_CLOCK_KEYS = ("eps", "perf/tokens_per_second")  # metrics of time: a repeated run logs other values
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:
@@ -74,9 +75,12 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
     kl_k1 = (estimate_kl(r.logprobs, r.ref_logprobs, "k1") * mask).sum(1)
     kl_k3 = (estimate_kl(r.logprobs, r.ref_logprobs, "k3") * mask).sum(1)
     entropy_seq = (-r.logprobs * mask).sum(1)  # sampled-token estimate of the sequence entropy (TRL's)
+    # each row's real tokens (prompt + response) and its width in the padded (B, Q + T) layout
+    real = (r.query_mask.sum(1) + lengths).float()
+    width = torch.full_like(real, r.query_mask.shape[1] + T)
     rows = gather(torch.stack([r.scores.float(), kl_seq, kl_k1, kl_k3, entropy_seq, lengths.float(),
-                               truncated.float(), stopped.float()], 1).float())
-    scores, kl_seq, kl_k1, kl_k3, entropy_seq, lengths, truncated, stopped = rows.unbind(1)
+                               truncated.float(), stopped.float(), real, width], 1).float())
+    scores, kl_seq, kl_k1, kl_k3, entropy_seq, lengths, truncated, stopped, real, width = rows.unbind(1)
 
     # value statistics from per-process sums over real tokens: n, Σ returns, Σ returns², Σ d, Σ d², d = returns − V
     ret, d = r.returns[mask].double(), (r.returns - r.values)[mask].double()
@@ -106,6 +110,8 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
         "val/num_eos_tokens": stopped.sum().item(),
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/truncation_rate": truncated.mean().item(),
+        "rollout/tokens": real.sum().item(),  # real tokens (prompt + response) of the batch, all processes
+        "perf/padding_fraction": 1.0 - (real.sum() / width.sum()).item(),
     }
     if r.sampler_logprobs is not None:
         out.update(sampler_metrics(r.sampler_logprobs, r.logprobs, mask, gather))

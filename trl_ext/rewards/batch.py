@@ -21,6 +21,7 @@ class RewardBatch:
     policy_tokenizer: Any
     extra_columns: dict[str, list] = field(default_factory=dict)  # {column: B values}, for reward functions
     trainer_state: Any = None
+    padding_free: bool = False  # models in TRL's layout read packed rows (`read_last_token`)
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -19,7 +19,7 @@ import torch
 import torch.nn as nn
 
 from ..core import last_true_index, real_rows
-from ..models import position_ids_from_mask, scalar_head_outputs, sequence_inputs
+from ..models import Packing, position_ids_from_mask, scalar_head_outputs, sequence_inputs
 from .batch import RewardBatch
 from .functions import check_reward_function_output, is_reward_function
 
@@ -111,10 +111,14 @@ def module_scores(model: nn.Module, inputs: dict, pad_token_id: int | None, name
                      "(B, 1) (e.g. SequenceClassifierOutput(logits=scores[:, None])) or a tensor of shape (B,), one "
                      "score per row.")
 
-def read_last_token(model: nn.Module, inputs: dict) -> torch.Tensor:
-    """(B,) the scalar head's output at each row's last real token (positionally, from the attention mask)."""
+def read_last_token(model: nn.Module, inputs: dict, padding_free: bool = False) -> torch.Tensor:
+    """(B,) the scalar head's output at each row's last real token (positionally, from the attention mask);
+    padding_free: the rows' real tokens run as one packed sequence (`models.Packing`)."""
     device = _model_device(model)
     inputs = {k: v.to(device) for k, v in inputs.items()}
+    if padding_free:
+        packing = Packing.of(inputs)
+        return packing.last_tokens(scalar_head_outputs(model, packing.inputs))
     per_position = scalar_head_outputs(model, inputs)  # (B, L)
     last = last_true_index(inputs["attention_mask"].bool())
     return per_position.gather(1, last[:, None]).squeeze(1)
@@ -159,7 +163,7 @@ class ModelReward:
         self.obj, self.name, self.tokenizer = model, name, None
 
     def score(self, batch: RewardBatch) -> torch.Tensor:
-        return read_last_token(self.obj, batch.inputs)
+        return read_last_token(self.obj, batch.inputs, batch.padding_free)
 
 
 class ModuleReward(ModelReward):
@@ -198,4 +202,4 @@ class TextModelReward(ModelReward):
             return logits[:, 0]
         inputs = {"input_ids": input_ids, "attention_mask": attention_mask,
                   "position_ids": position_ids_from_mask(attention_mask)}
-        return read_last_token(model, inputs)
+        return read_last_token(model, inputs, batch.padding_free)

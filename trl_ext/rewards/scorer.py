@@ -90,10 +90,12 @@ class RewardScorer:
     naming the reward. Nothing is ever silently scored zero.
     """
 
-    def __init__(self, reward_model, policy_tokenizer, reward_weights=None, reward_tokenizers=None):
+    def __init__(self, reward_model, policy_tokenizer, reward_weights=None, reward_tokenizers=None,
+                 padding_free: bool = False):
         if policy_tokenizer is None:
             raise ValueError("RewardScorer needs the policy's tokenizer (`policy_tokenizer`) to decode responses.")
         self.policy_tokenizer = policy_tokenizer
+        self.padding_free = padding_free  # reward models in TRL's layout run on packed rows (`models.Packing`)
         rewards = self._as_list(reward_model)
         if not rewards:
             raise ValueError("RewardScorer needs at least one reward (`reward_model`).")
@@ -261,7 +263,7 @@ class RewardScorer:
         is an error."""
         B = queries.shape[0]
         batch = RewardBatch(queries, query_mask.bool(), responses, response_mask.bool(), self.policy_tokenizer,
-                            self._check_columns(extra_columns, B), trainer_state)
+                            self._check_columns(extra_columns, B), trainer_state, self.padding_free)
         device = queries.device
         per_source: dict[str, torch.Tensor] = {}
         pending: dict[str, Any] = {}  # async reward functions, awaited together below

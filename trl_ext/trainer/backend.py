@@ -35,6 +35,7 @@ from accelerate.utils import DistributedType
 from torch import nn
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
+from ..data.batches import token_budget_groups
 from ..models import SharedBaseModels, is_quantized, response_logprobs
 
 
@@ -375,6 +376,23 @@ class Backend:
     def sum_over_processes(self, tensor: torch.Tensor) -> torch.Tensor:
         return self.accelerator.reduce(tensor, reduction="sum")
 
+    def token_groups(self, lengths: list[int], budget: int) -> list[list[int]]:
+        """`data.token_budget_groups` with as many groups on every process (the largest count): their forwards and
+        backwards meet in collectives (DDP's buffers and gradients, ZeRO-3's and FSDP's gathered weights)."""
+        groups = len(token_budget_groups(lengths, budget))
+        if self.num_processes > 1:
+            groups = int(self.gather(torch.tensor([groups])).max())
+        return token_budget_groups(lengths, budget, groups)
+
+    @contextmanager
+    def accumulate(self, last: bool):
+        """One micro-batch of a minibatch split into a number of micro-batches known here, not to accelerate
+        (`max_tokens_per_micro_batch`): gradients are synchronised and the optimizer may step at the `last` one
+        only, as `accelerator.accumulate` does for a fixed count."""
+        self.accelerator.gradient_state._set_sync_gradients(last)
+        with nullcontext() if last else self.accelerator.no_sync(self.model):
+            yield
+
     def barrier(self) -> None:
         if self.num_processes > 1:
             self.accelerator.wait_for_everyone()
@@ -551,12 +569,12 @@ class Reference:
             with policy.disable_adapter() if self.is_peft else nullcontext():
                 yield
 
-    def logprobs(self, policy: nn.Module, inputs: dict, responses: torch.Tensor) -> torch.Tensor:
-        """(B, T) fp32 reference log-probs of the response tokens."""
+    def logprobs(self, policy: nn.Module, inputs: dict, responses: torch.Tensor, packing=None) -> torch.Tensor:
+        """(B, T) fp32 reference log-probs of the response tokens (padding-free with a `Packing` of `inputs`)."""
         if self.model is not None:
-            return response_logprobs(self.model, inputs, responses, self.temperature)
+            return response_logprobs(self.model, inputs, responses, self.temperature, packing)
         with self.context(policy):
-            return response_logprobs(policy, inputs, responses, self.temperature)
+            return response_logprobs(policy, inputs, responses, self.temperature, packing)
 
     def generation_model(self, policy: nn.Module):
         """(model, context) that samples as the reference."""

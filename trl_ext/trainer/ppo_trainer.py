@@ -43,12 +43,15 @@ from ..models import (
     Sampling,
     SharedBaseModels,
     build_value_model,
+    check_padding_free,
     disable_bnb_cpu_repack,
     disable_dropout,
     is_quantized,
+    lm_logits,
     lora_for_quantized_value_model,
     probe_batch,
     sampling_config,
+    scalar_head_outputs,
 )
 from ..monitoring.alarms import AlarmCallback
 from ..monitoring.callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
@@ -138,12 +141,13 @@ class PPOTrainer(PPOTrainerBase):
             self.reward_scorer.check_columns(self.column_names)
         self.value_model = self._setup_value_model(value_model, model, peft_config)  # before PEFT touches the policy
         self._setup_policy(model, ref_model, peft_config)
-        self._check_positions(train_dataset, eval_dataset, own_collator)
+        longest_prompt = self._check_positions(train_dataset, eval_dataset, own_collator)
         self.train_dataset, self.train_dataset_len, self.eval_dataset = train_dataset, len(train_dataset), eval_dataset
         self.data_collator = data_collator
         self._setup_batch_sizes(optimizers)
         self._setup_accelerator()
         self._setup_models()
+        self._check_padding_free(longest_prompt)
         self.reuses_freed_memory = self._setup_allocator()
         self._setup_callbacks_and_state(callbacks)
         self._setup_trainer_internals()
@@ -223,7 +227,8 @@ class PPOTrainer(PPOTrainerBase):
         conditioning; an optional gold scorer for evaluation only (never trained on)."""
         args, tokenizer = self.args, self.processing_class
         self.reward_model = reward_model
-        self.reward_scorer = RewardScorer(reward_model, tokenizer, args.reward_weights, reward_processing_classes)
+        self.reward_scorer = RewardScorer(reward_model, tokenizer, args.reward_weights, reward_processing_classes,
+                                          padding_free=args.padding_free)
         self.reward_normalizer = RewardNormalizer(args.reward_norm, args.reward_norm_mean, args.reward_norm_std,
                                                   args.reward_clip)
         if eval_reward is not None and eval_dataset is None:
@@ -267,17 +272,17 @@ class PPOTrainer(PPOTrainerBase):
         else:
             self.ref_model = reference_copy(self.policy_model)  # a frozen deep copy (ZeRO-3 aware)
 
-    def _check_positions(self, train_dataset, eval_dataset, own_collator: bool) -> None:
+    def _check_positions(self, train_dataset, eval_dataset, own_collator: bool) -> int | None:
         """The longest prompt + response_length must fit each model's position limit (`max_position_embeddings` or
         `n_positions`): past it GPT-2's position table raises an IndexError mid-run, and a rotary model trains on
-        positions it never learned."""
+        positions it never learned. Returns the longest prompt's length (None: not known here)."""
         if own_collator:
             longest = max((len(ids) for d in (train_dataset, eval_dataset) if d is not None for ids in d["input_ids"]),
                           default=0)
         elif self.args.max_prompt_length is not None:
             longest = self.args.max_prompt_length
         else:
-            return  # a custom collator without max_prompt_length: the prompts' lengths are not known here
+            return None  # a custom collator without max_prompt_length: the prompts' lengths are not known here
         need = longest + self.args.response_length
         roles = {"policy": self.policy_model, "value_model": self.value_model, "ref_model": self.ref_model}
         for role, module in roles.items():
@@ -289,6 +294,25 @@ class PPOTrainer(PPOTrainerBase):
                                  f"({type(module).__name__}: {limit}). Set max_prompt_length <= "
                                  f"{limit - self.args.response_length} (longer prompts are cut from the left), or "
                                  "lower response_length.")
+        return longest
+
+    def _check_padding_free(self, longest_prompt: int | None) -> None:
+        """padding_free: every model that runs packed gives its padded outputs on a probe (`check_padding_free`);
+        a token budget holds the longest row (prompt + response_length)."""
+        args = self.args
+        if not args.padding_free:
+            return
+        budget = args.max_tokens_per_micro_batch
+        if budget is not None and longest_prompt is not None and longest_prompt + args.response_length > budget:
+            raise ValueError(f"max_tokens_per_micro_batch={budget} cannot hold the longest row: a prompt of "
+                             f"{longest_prompt} tokens + response_length={args.response_length}. Raise it to at least "
+                             f"{longest_prompt + args.response_length}, or set max_prompt_length.")
+        check_padding_free(self.policy_model, "policy", lm_logits)
+        if isinstance(self.ref_model, torch.nn.Module):
+            check_padding_free(self.ref_model, "ref_model", lm_logits)
+        for name, module in {"value_model": self.value_model, **self.reward_scorer.models}.items():
+            if has_score_head(module):
+                check_padding_free(module, name, scalar_head_outputs)
 
     def _setup_batch_sizes(self, optimizers) -> None:
         """TRL's batch definitions per process, and the optimizer and scheduler given (if any)."""
@@ -664,6 +688,7 @@ class PPOTrainer(PPOTrainerBase):
         (`preemption`) saves a checkpoint and exits the process with status 0."""
         args, device = self.args, self.accelerator.device
         for update in range(self.state.global_step + 1, args.num_total_batches + 1):
+            iteration_start = time.perf_counter()
             self.state.episode += args.batch_size
             batch = next(batches)
             if "attention_mask" not in batch:
@@ -686,6 +711,8 @@ class PPOTrainer(PPOTrainerBase):
             # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
             metrics = self.metrics(rollout, stats, kl_coef, warmup)
             metrics["eps"] = (self.state.episode - start_episode) / max(time.time() - start_time, 1e-9)  # episodes/s
+            # real tokens of all processes per second of this iteration's rollout and update
+            metrics["perf/tokens_per_second"] = metrics["rollout/tokens"] / (time.perf_counter() - iteration_start)
             self.kl_ctl.update(mean_sequence_kl(rollout, self.backend.gather), args.batch_size)
             self.state.epoch = self.state.episode / self.train_dataset_len
             self.state.global_step += 1

@@ -27,7 +27,7 @@ from ..core import (
     shape_rewards,
     token_logprobs,
 )
-from ..models import LOGPROB_CHUNK, sequence_inputs
+from ..models import LOGPROB_CHUNK, Packing, sequence_inputs
 
 
 @dataclass
@@ -124,38 +124,56 @@ class RolloutPhase:
             with self.backend.unwrap().trunk.capture(self.trunk_from_reference) as captured:
                 yield captured
 
+    def _chunks(self, query_mask, response_mask) -> list[slice]:
+        """The rows of each scoring chunk: `local_rollout_forward_batch_size` rows, or consecutive rows up to
+        `max_tokens_per_micro_batch` real tokens (as many chunks on every process: their forwards meet under ZeRO-3
+        and FSDP)."""
+        args, B = self.args, query_mask.shape[0]
+        if args.max_tokens_per_micro_batch is None:
+            step = args.local_rollout_forward_batch_size
+            return [slice(start, start + step) for start in range(0, B, step)]
+        lengths = (query_mask.sum(1) + response_mask.sum(1)).tolist()
+        return [slice(g[0], g[-1] + 1) for g in self.backend.token_groups(lengths, args.max_tokens_per_micro_batch)]
+
     def _score(self, queries, query_mask, responses, response_mask, sampler_logprobs, extra_columns,
                trainer_state) -> _Scored:
-        """Steps 3-5 in chunks of `local_rollout_forward_batch_size` rows."""
+        """Steps 3-5 in chunks of rows (`_chunks`); padding-free, each chunk's real tokens run as one sequence."""
         args, accelerator, model = self.args, self.backend.accelerator, self.backend.model
         policy = self.backend.unwrap().policy
         trunk = getattr(self.backend.unwrap(), "trunk", None)  # the critic's frozen trunk, its output kept
-        T, step = responses.shape[1], args.local_rollout_forward_batch_size
+        T = responses.shape[1]
         parts = {name: [] for name in ("logprobs", "ref_logprobs", "values", "scores", "source_scores", "trunk")}
-        for start in range(0, queries.shape[0], step):
-            s = slice(start, start + step)
+        for s in self._chunks(query_mask, response_mask):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
+            packing = Packing.of(inputs, response_mask[s]) if args.padding_free else None
+            forward = inputs if packing is None else packing.inputs  # what the models read
             # 3. a reference holding the critic's frozen trunk computes its output on the way (trunk_from_reference)
             with self.phases("reference"), accelerator.autocast(), self._reference_trunk() as captured:
-                parts["ref_logprobs"].append(self.reference.logprobs(policy, inputs, responses[s]))
-            # 4. only the last T + 1 positions' logits are computed; log-probs in chunks; the logits freed at once.
-            # rollout_logprobs="sampler": π_old is the sampler's own log-probs, and the values are computed alone.
+                parts["ref_logprobs"].append(self.reference.logprobs(policy, inputs, responses[s], packing))
+            # 4. only the positions that predict response tokens get logits; log-probs in chunks; the logits freed
+            # at once. rollout_logprobs="sampler": π_old is the sampler's own log-probs, the values computed alone.
             with self.phases("policy_and_value"), accelerator.autocast():
                 kept = {}
                 if trunk is not None:
                     if not captured:
-                        captured.append(trunk.hidden_states(inputs))
+                        captured.append(trunk.hidden_states(forward))
                     kept = {"trunk_hidden": captured[0]}
-                    parts["trunk"].append(captured[0])
+                    parts["trunk"].append(captured[0] if packing is None else packing.unpack(captured[0]))
                 if args.rollout_logprobs == "sampler":
-                    value = model(**inputs, role="value", **kept)
+                    value = model(**forward, role="value", **kept)
                     parts["logprobs"].append(sampler_logprobs[s].to(value.device) * response_mask[s])
-                else:
+                elif packing is None:
                     logits, value = model(**inputs, logits_to_keep=T + 1, **kept)
                     parts["logprobs"].append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:],
                                                             args.temperature, LOGPROB_CHUNK))
                     del logits
-                parts["values"].append(value[:, -T - 1 : -1].float())
+                else:
+                    logits, value = model(**forward, logits_to_keep=packing.keep, **kept)  # (1, R, V)
+                    parts["logprobs"].append(packing.responses(
+                        token_logprobs(logits, packing.targets[None], args.temperature, LOGPROB_CHUNK)[0]))
+                    del logits
+                parts["values"].append((value[:, -T - 1 : -1] if packing is None
+                                        else packing.responses(value[0, packing.keep])).float())
             # 5. the scores of the response cut after its stop token
             with self.phases("reward"), accelerator.autocast():
                 extra = {k: v[s] for k, v in extra_columns.items()}

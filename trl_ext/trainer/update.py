@@ -29,22 +29,28 @@ from ..core import (
     token_logprobs,
     value_loss,
 )
-from ..models import LOGPROB_CHUNK, model_input_ids, sequence_inputs
+from ..models import LOGPROB_CHUNK, Packing, model_input_ids, sequence_inputs
 from ..monitoring.diagnostics import DUAL_CLIP_STATS, TOKEN_STATS, UpdateStats
 from .backend import Backend
 from .rollout import Rollout
 
 
-def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator):
-    """(b, T+1 or L, V) policy logits -> (policy loss, its stats, mean entropy); the entropy is taken under
-    no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns."""
+def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packing: Packing | None = None):
+    """(b, T+1 or L, V) policy logits, or (1, R, V) at a packing's response positions -> (policy loss, its stats,
+    mean entropy); the entropy is taken under no_grad in chunks, so nothing but autograd's own reference keeps the
+    logits after this returns."""
     T = micro.responses.shape[1]
-    response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
-    tokens = model_input_ids(micro.responses, micro.response_mask)  # pad ids (maybe not in the vocabulary) -> 0
+    if packing is None:
+        response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
+        tokens = model_input_ids(micro.responses, micro.response_mask)  # pad ids (maybe not in the vocabulary) -> 0
+    else:
+        response_logits, tokens = logits, packing.targets[None]  # (1, R, V), (1, R)
     new_logprobs = token_logprobs(response_logits, tokens, args.temperature, LOGPROB_CHUNK)
     with torch.no_grad():
-        entropy = masked_mean(entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK),
-                              micro.response_mask, strict=False)
+        entropy = entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK)
+    if packing is not None:  # back to (b, T), zeros after the stop token
+        new_logprobs, entropy = packing.responses(new_logprobs[0]), packing.responses(entropy[0])
+    entropy = masked_mean(entropy, micro.response_mask, strict=False)
     low = args.cliprange if args.clip_ratio_low is None else args.clip_ratio_low
     high = args.cliprange if args.clip_ratio_high is None else args.clip_ratio_high
     pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
@@ -54,9 +60,10 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator):
     return pg_loss, pg_stats, entropy
 
 
-def value_terms(values: torch.Tensor, micro: Rollout, args, denominator):
-    """(b, L) value-head outputs -> (value loss, its stats)."""
-    vpred = values[:, -micro.responses.shape[1] - 1 : -1].float()
+def value_terms(values: torch.Tensor, micro: Rollout, args, denominator, packing: Packing | None = None):
+    """(b, L) value-head outputs, or (1, N) over a packing -> (value loss, its stats)."""
+    vpred = (values[:, -micro.responses.shape[1] - 1 : -1] if packing is None
+             else packing.responses(values[0, packing.keep])).float()
     return value_loss(vpred, micro.values, micro.returns, micro.response_mask, args.vf_loss_type,
                       args.cliprange_value, args.vf_huber_delta, denominator, args.loss_agg_mode)
 
@@ -122,7 +129,7 @@ class PPOUpdate:
         weights nor its optimizer state change; only the value model learns."""
         args, accelerator, backend = self.args, self.backend.accelerator, self.backend
         stats = UpdateStats(TOKEN_STATS + DUAL_CLIP_STATS if args.clip_ratio_c is not None else TOKEN_STATS)
-        B, mini_size, micro_size = args.local_batch_size, args.local_mini_batch_size, args.per_device_train_batch_size
+        B, mini_size = args.local_batch_size, args.local_mini_batch_size
         # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
         loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
         for epoch in range(args.num_ppo_epochs):
@@ -132,12 +139,14 @@ class PPOUpdate:
             for k, mini_start in enumerate(starts):
                 minibatch = order[mini_start : mini_start + mini_size]
                 nonfinite_losses = torch.zeros((), device=rollout.queries.device)  # this minibatch's, on device
-                for micro_start in range(0, mini_size, micro_size):
-                    micro = rollout[minibatch[micro_start : micro_start + micro_size]]
-                    with accelerator.accumulate(backend.model):
+                micro_batches = self._micro_batches(rollout, minibatch)
+                for i, rows in enumerate(micro_batches):
+                    micro = rollout[rows]
+                    with self._accumulate(last=i == len(micro_batches) - 1):
                         inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
-                        pg_stats, vf_stats, entropy = self.micro_batch_losses(inputs, micro, critic_only,
-                                                                              denominators[k], loss_scale, vf_coef)
+                        packing = Packing.of(inputs, micro.response_mask) if args.padding_free else None
+                        pg_stats, vf_stats, entropy = self.micro_batch_losses(
+                            inputs, micro, critic_only, denominators[k], loss_scale, vf_coef, packing)
                         nonfinite_losses += ~torch.isfinite(pg_stats["loss"] + vf_stats["loss"])
                         if accelerator.sync_gradients:
                             norms = backend.clip_gradients(critic_only)
@@ -147,6 +156,22 @@ class PPOUpdate:
                             backend.optimizer_step(critic_only, skip=skip)
                     self._record(stats, micro, pg_stats, vf_stats, entropy, epoch == 0 and mini_start == 0)
         return stats
+
+    def _micro_batches(self, rollout: Rollout, minibatch: torch.Tensor) -> list[torch.Tensor]:
+        """The rows of each micro-batch: per_device_train_batch_size rows, or consecutive rows up to
+        `max_tokens_per_micro_batch` real tokens (as many micro-batches on every process)."""
+        args = self.args
+        if args.max_tokens_per_micro_batch is None:
+            size = args.per_device_train_batch_size
+            return [minibatch[start : start + size] for start in range(0, len(minibatch), size)]
+        lengths = (rollout.query_mask[minibatch].sum(1) + rollout.response_mask[minibatch].sum(1)).tolist()
+        return [minibatch[group] for group in self.backend.token_groups(lengths, args.max_tokens_per_micro_batch)]
+
+    def _accumulate(self, last: bool):
+        """accelerate's accumulation over a fixed count of micro-batches, or ours over a token budget's."""
+        if self.args.max_tokens_per_micro_batch is None:
+            return self.backend.accelerator.accumulate(self.backend.model)
+        return self.backend.accumulate(last)
 
     def _denominators(self, rollout: Rollout, order: torch.Tensor, starts: range) -> torch.Tensor:
         """Each minibatch's denominator of the loss aggregation (loss_agg_mode; token-mean: its real tokens), summed
@@ -172,29 +197,30 @@ class PPOUpdate:
             "policy/clipfrac_dual_avg": pg_stats["clipfrac_dual"]})
 
     def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
-                vf_coef: float):
+                vf_coef: float, packing: Packing | None = None):
         """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
-        micro-batch's share of the minibatch's losses)."""
-        args, model, T = self.args, self.backend.model, micro.responses.shape[1]
+        micro-batch's share of the minibatch's losses). With a packing, the forwards are padding-free."""
+        args, model = self.args, self.backend.model
+        forward, keep, trunk_hidden = self._forward_inputs(inputs, packing, micro)
         if critic_only and self.backend.plain:
             # warmup on one plain process: the policy's forward (for its stats) without a graph, the critic's alone;
             # its gradients would be dropped before the optimizer step anyway
             with torch.no_grad():
                 with self.backend.autocast():
-                    logits = model(**inputs, logits_to_keep=T + 1, role="policy")
-                pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
+                    logits = model(**forward, logits_to_keep=keep, role="policy")
+                pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator, packing)
             del logits
             with self.backend.autocast():
-                values = model(**inputs, role="value", trunk_hidden=micro.trunk_hidden)
-            vf_loss, vf_stats = value_terms(values, micro, args, denominator)
+                values = model(**forward, role="value", trunk_hidden=trunk_hidden)
+            vf_loss, vf_stats = value_terms(values, micro, args, denominator, packing)
             self.backend.backward(vf_coef * vf_loss * loss_scale)
             return pg_stats, vf_stats, entropy
         # the critic runs its trainable top layers only, over its frozen trunk's output kept by the rollout
         with self.backend.autocast():
-            logits, values = model(**inputs, logits_to_keep=T + 1, trunk_hidden=micro.trunk_hidden)
-        pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
+            logits, values = model(**forward, logits_to_keep=keep, trunk_hidden=trunk_hidden)
+        pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator, packing)
         del logits
-        vf_loss, vf_stats = value_terms(values, micro, args, denominator)
+        vf_loss, vf_stats = value_terms(values, micro, args, denominator, packing)
         # in warmup under DDP/DeepSpeed/FSDP the policy term is kept at weight 0 so every parameter still gets a
         # gradient (DDP needs that); those zeros are dropped before the optimizer step
         loss = (0.0 if critic_only else 1.0) * pg_loss + vf_coef * vf_loss
@@ -202,22 +228,31 @@ class PPOUpdate:
         return pg_stats, vf_stats, entropy
 
     def _shared_losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
-                       vf_coef: float):
+                       vf_coef: float, packing: Packing | None = None):
         """Shared base: the policy pass (adapter "policy") and the critic pass (adapter "critic"), each with its
         backward inside its adapter context, since gradient checkpointing recomputes layers with the adapter
         active at backward time. The gradients are the same as one backward of the summed loss (the two losses
         share no trainable parameter). In critic warmup the policy pass runs without grad."""
-        args, model, shared, T = self.args, self.backend.model, self.backend.shared, micro.responses.shape[1]
+        args, model, shared = self.args, self.backend.model, self.backend.shared
+        forward, keep, _ = self._forward_inputs(inputs, packing, micro)
         with shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
             with self.backend.autocast():
-                logits = model(**inputs, logits_to_keep=T + 1, role="policy")
-            pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator)
+                logits = model(**forward, logits_to_keep=keep, role="policy")
+            pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator, packing)
             del logits
             if not critic_only:
                 self.backend.backward(pg_loss * loss_scale)
         with shared.adapter("critic"):
             with self.backend.autocast():
-                values = model(**inputs, role="value")
-            vf_loss, vf_stats = value_terms(values, micro, args, denominator)
+                values = model(**forward, role="value")
+            vf_loss, vf_stats = value_terms(values, micro, args, denominator, packing)
             self.backend.backward(vf_coef * vf_loss * loss_scale)
         return pg_stats, vf_stats, entropy
+
+    @staticmethod
+    def _forward_inputs(inputs: dict, packing: Packing | None, micro: Rollout):
+        """(what the models read, the logits kept, the critic's frozen trunk output): padded or packed."""
+        if packing is None:
+            return inputs, micro.responses.shape[1] + 1, micro.trunk_hidden
+        trunk_hidden = None if micro.trunk_hidden is None else packing.pack(micro.trunk_hidden)
+        return packing.inputs, packing.keep, trunk_hidden
