@@ -19,6 +19,10 @@ and how it held the parameters.
   trainer whitens them with statistics over all processes (TRL whitens each process's share on its own). Responses
   stop at a likely EOS, so the processes hold different numbers of response tokens: the losses are token means over
   all of them, as in one process. `matched_lora` trains a LoRA policy.
+- `unpacked` / `packed` / `packed_budget`: `matched` with SGD (lr 0.1: the weights differ by lr x the gradients'
+  difference; Adam's first steps would magnify float noise in gradients near its ε), padded / padding_free=True, its
+  micro-batches by rows / by `PACKED_BUDGET` tokens (as many on each process); `micro_tokens`: each micro-batch's
+  real tokens on the main process.
 - `warmup`: one critic-warmup iteration with weight decay (the policy must not move); `loaded`: the config first,
   then the models from disk (partitioned as they load under ZeRO-3), no gathering for generation, an evaluation.
 - `straight`: 4 iterations, default sampling; `interrupted`: the same settings, a checkpoint every iteration, stopped
@@ -63,6 +67,7 @@ from trl_ext.testing import (
 from trl_ext.trainer.sampling import ResponseSampler
 
 GLOBAL_BATCH = 8
+PACKED_BUDGET = 14  # `packed_budget`'s tokens per micro-batch: the longest row (prompt + response_length) is 12
 MATCHED_STEPS = 3
 RESUME_STEPS = 4
 
@@ -280,6 +285,19 @@ def build_quantized(out_dir: str, per_device: int) -> PPOTrainer:
                       peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear"))
 
 
+def micro_batch_tokens(trainer: PPOTrainer) -> list[int]:
+    """Filled as the trainer runs: the real tokens of each micro-batch this process trains on."""
+    tokens, original = [], trainer.update_phase.micro_batch_losses
+
+    def losses(inputs, micro, *args):
+        packing = args[4] if len(args) == 5 else None
+        tokens.append(int(inputs["attention_mask"].sum()) if packing is None else packing.num_tokens)
+        return original(inputs, micro, *args)
+
+    trainer.update_phase.micro_batch_losses = losses
+    return tokens
+
+
 def flat(module) -> torch.Tensor:
     return torch.cat([p.detach().flatten().clone() for p in module.parameters()])
 
@@ -323,6 +341,15 @@ def run(name: str, out: str) -> dict:
         with matched_sampling():  # ragged responses: stop at a likely EOS; critic warmup, then 2 PPO steps
             t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0, lora=name != "matched",
                       frozen_critic=name == "matched_trunk", critic_warmup_steps=1)
+            t.train()
+    elif name in ("unpacked", "packed", "packed_budget"):  # padded / padding-free, by rows / by tokens; SGD
+        packing = {"unpacked": {}, "packed": {"padding_free": True},
+                   "packed_budget": {"padding_free": True, "max_tokens_per_micro_batch": PACKED_BUDGET}}[name]
+        with matched_sampling():
+            t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0, critic_warmup_steps=1, optim="sgd",
+                      learning_rate=0.1, **packing)
+            extra["micro_tokens"] = micro_batch_tokens(t)
+            initial = flat_roles(t)
             t.train()
     elif name == "warmup":  # one critic-warmup step with weight decay: the policy must not move at all
         t = build(run_dir, per_device, 1, critic_warmup_steps=1, weight_decay=0.1)
@@ -389,7 +416,8 @@ def run(name: str, out: str) -> dict:
         t.train()
         raise AssertionError("killed_in_save must hang in the save of checkpoint-2 until it is killed")
     else:
-        raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, matched_trunk, warmup, loaded, "
+        raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, matched_trunk, unpacked, "
+                         "packed, packed_budget, warmup, loaded, "
                          "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast, "
                          "preempted, preempted_resumed, damaged, killed_in_save, killed_resumed")
     result = summary(t) | {"initial": initial} | extra

@@ -64,7 +64,8 @@ ENGINES = {
     "fsdp2_sharded": (["--config_file", str(CONFIGS / "fsdp.yaml"), "--fsdp_state_dict_type", "SHARDED_STATE_DICT"],
                       "FSDP", "dtensor"),
 }
-RUNS = ["matched", "matched_lora", "matched_trunk", "warmup", "loaded", "straight", "interrupted", "resumed"]
+RUNS = ["matched", "matched_lora", "matched_trunk", "unpacked", "packed", "packed_budget", "warmup", "loaded",
+        "straight", "interrupted", "resumed"]
 # faults, after `interrupted` (whose checkpoints `damaged` copies); `killed_in_save` runs in a launch of its own, first
 FAULT_RUNS = ["preempted", "preempted_resumed", "damaged", "killed_resumed"]
 # the file of process 1 that `damaged` flips and then deletes (ddp_runs.engine_file; under the shipped fsdp.yaml,
@@ -84,8 +85,9 @@ PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526, "fsdp2_sh
 #   processes and over half as many with one;
 # - val/clipfrac_avg: trl_ext/core/losses.py builds V_clip = V_old + clamp(V − V_old, ±c), which differs from V by a
 #   rounding error inside the range, and counts V_clip's error > V's as clipped: float noise decides some tokens;
-# - eps: throughput.
-NOT_COMPARED = {"val/ratio_var", "val/clipfrac_avg", *WALL_CLOCK_KEYS}
+# - perf/padding_fraction: each process pads its prompts to its own longest one, one process to the batch's longest;
+# - eps, perf/tokens_per_second: throughput.
+NOT_COMPARED = {"val/ratio_var", "val/clipfrac_avg", "perf/padding_fraction", *WALL_CLOCK_KEYS}
 
 
 # One ZeRO-3 launch in about ten on CPU (CI, 2026-12-01, transformers 5.18) lost a process to SIGABRT with this C++
@@ -203,6 +205,29 @@ def test_two_processes_match_one_process_with_the_same_global_batch(launched, on
         assert one_process[run]["trunk_from_reference"]
         assert results[run]["trunk_from_reference"] == (engine == "ddp")
     _matched(results, one_process, run, tmp_path, engine)
+
+
+@pytest.mark.parametrize("run", ["packed", "packed_budget"])
+def test_padding_free_on_two_processes_gives_the_padded_update(launched, run):
+    """padding_free=True on 2 processes (critic warmup, then 2 PPO iterations of ragged answers): the weights and
+    every logged metric of the padded run; with a token budget, micro-batches of at most `PACKED_BUDGET` tokens,
+    more of them than rows would make, as many on each process (their forwards meet in collectives)."""
+    engine, results, _ = launched
+    padded, packed = results["unpacked"], results[run]
+    for part in ("policy", "value"):
+        moved = (padded[part] - padded["initial"][part]).abs().max().item()
+        assert moved > 1e-3, f"the {part} barely trained ({moved:.2e}); the comparison would be empty"
+        torch.testing.assert_close(packed[part], padded[part], rtol=0, atol=1e-5, msg=f"{engine}: {part} weights")
+    for step, (a, b) in enumerate(zip(packed["logs"], padded["logs"]), 1):
+        assert set(a) - NOT_COMPARED == set(b) - NOT_COMPARED
+        for key in sorted(set(a) - NOT_COMPARED):
+            assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), f"{engine} step {step}: {key}"
+    assert all(log["perf/padding_fraction"] > 0.1 for log in padded["logs"])  # there was padding to skip
+    rows, tokens = padded["micro_tokens"], packed["micro_tokens"]
+    if run == "packed":
+        assert tokens == rows  # the same micro-batches, their real tokens only
+    else:
+        assert max(tokens) <= ddp_runs.PACKED_BUDGET < max(rows) and len(tokens) > len(rows)
 
 
 @pytest.mark.parametrize("launched", ["ddp"], indirect=True)
