@@ -204,3 +204,38 @@ def test_ppo_variants_benchmark_runs_and_reads_each_variants_diagnostic(tmp_path
     assert results["TRL 1.12 PPO (defaults)"]["policy/clipfrac_dual_avg"] is None
     assert results["dual-clip (c = 3)"]["policy/clipfrac_dual_avg"] is not None
     assert "| dual-clip (c = 3) |" in (tmp_path / "results.md").read_text()
+
+
+def test_padding_free_benchmark_cuts_answers_the_same_way_for_every_trainer():
+    """benchmarks/padding_free.py: the drawn lengths are in [T/4, T] and depend on the iteration only; the cut puts
+    EOS at the last real position and padding after."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import padding_free
+
+    lengths = padding_free.stop_lengths(0, 64, 32)
+    assert torch.equal(lengths, padding_free.stop_lengths(0, 64, 32))
+    assert not torch.equal(lengths, padding_free.stop_lengths(1, 64, 32))
+    assert lengths.min() >= 8 and lengths.max() <= 32 and lengths.unique().numel() > 10
+    responses, mask = padding_free.cut(torch.full((2, 4), 7), torch.tensor([1, 3]), eos=1, pad=0)
+    assert responses.tolist() == [[1, 0, 0, 0], [7, 7, 1, 0]]
+    assert mask.tolist() == [[True, False, False, False], [True, True, True, False]]
+
+
+@pytest.mark.slow
+def test_padding_free_benchmark_runs_its_trainers(tmp_path):
+    """End to end on the tiny model, one measured iteration: a row per trainer (TRL's says it needs trl 1.12 where
+    that is not installed), and the padding-free run packs ragged rows (its peak memory is its own measurement)."""
+    import json
+    import subprocess
+
+    proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "padding_free.py"), "--model", "tiny",
+                           "--response_length", "32", "--batch_size", "4", "--iterations", "1", "--out",
+                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    rows = json.loads((tmp_path / "results.json").read_text())["rows"]
+    for name in ("trl_ext", "trl_ext_padding_free"):
+        assert rows[name]["summary"]["seconds_per_iteration"] > 0
+    trl = importlib.util.find_spec("trl.experimental.ppo") is not None
+    assert (rows["trl"] is not None) == trl
+    table = (tmp_path / "results.md").read_text()
+    assert "| trl_ext_padding_free |" in table and ("| trl | not run" in table) != trl

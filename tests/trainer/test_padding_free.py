@@ -171,3 +171,17 @@ def test_bad_settings_are_refused_by_name(tmp_path):
                                   num_sample_generations=0, padding_free=True, max_tokens_per_micro_batch=10),
                    processing_class=tok, model=policy, ref_model=None, reward_model=reward,
                    train_dataset=tiny_prompt_dataset(tok, n=4), value_model=value)
+
+
+def test_a_real_model_passes_the_probe():
+    """SmolLM2-135M in fp32: the two layouts round differently (2e-4 on logits up to 36), within the probe's
+    tolerance, and its value-model layout too."""
+    from transformers import AutoModelForSequenceClassification
+
+    from trl_ext.embedded import load_smollm2, smollm2_path
+    from trl_ext.models import scalar_head_outputs
+
+    policy, _ = load_smollm2()
+    check_padding_free(policy.eval(), "policy", lm_logits)
+    value = AutoModelForSequenceClassification.from_pretrained(smollm2_path(), num_labels=1)
+    check_padding_free(value.eval(), "value_model", scalar_head_outputs)

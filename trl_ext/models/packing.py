@@ -80,10 +80,14 @@ def check_padding_free(model: nn.Module, role: str, forward) -> None:
     inputs, _ = probe_batch(vocab, device)
     packing = Packing.of(inputs)
     with torch.no_grad():
-        padded = forward(model, inputs).float()
-        packed = packing.unpack(forward(model, packing.inputs)).float()
+        out = forward(model, inputs)
+        padded, packed = out.float(), packing.unpack(forward(model, packing.inputs)).float()
     mask = packing.real.reshape(*packing.real.shape, *[1] * (padded.dim() - 2))
-    if padded.shape != packed.shape or not torch.allclose(padded * mask, packed * mask, atol=1e-4, rtol=1e-3):
+    # rounding differs between the two layouts (SmolLM2-135M's fp32 logits: 2e-4 of a largest 36); a row that sees
+    # the row before it differs by a fraction of the outputs' scale
+    scale = (padded * mask).abs().max().item()
+    tolerance = max(1e-3, 8 * torch.finfo(out.dtype).eps) * scale + 1e-5
+    if padded.shape != packed.shape or (padded * mask - packed * mask).abs().max().item() > tolerance:
         impl = getattr(config, "_attn_implementation", None)
         raise ValueError(
             f"padding_free=True: the {role} ({type(_underlying(model)).__name__}, attn_implementation={impl!r}) "

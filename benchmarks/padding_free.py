@@ -1,0 +1,179 @@
+"""Ragged answers: trl_ext padded, trl_ext with padding_free=True, and TRL 1.12's PPOTrainer, in one run.
+
+    python benchmarks/padding_free.py                                     # SmolLM2-135M, T=64, B=8, CPU
+    python benchmarks/padding_free.py --model tiny49k --response_length 128 --out /tmp/pf
+    python benchmarks/padding_free.py --device cuda --out benchmarks/results/gpu-padding-free-<date>
+
+Every answer stops at EOS at a length drawn uniformly from [T/4, T] (seeded by the iteration and the row, the same
+for every trainer): the responses are sampled to the cap, then cut there (EOS at the drawn length, padding after),
+so generation costs every trainer the same and what differs is how the scoring passes and the update treat the
+padding. Each run is a fresh process (`bench_vs_trl.run_case`, whose models, phases, memory method and iteration
+count it reuses: 1 warm-up iteration dropped, the median of the rest); TRL runs only where trl 1.12 is installed
+(`pip install trl==1.12.0`), else its row says so. Writes `<out>/results.json` and `<out>/results.md`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import tempfile
+from dataclasses import asdict, replace
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+import bench_vs_trl as bench  # noqa: E402
+
+ROOT = Path(__file__).resolve().parents[1]
+TRAINERS = ("trl_ext", "trl_ext_padding_free", "trl")
+
+
+def stop_lengths(step: int, batch: int, T: int):
+    """(B,) the answers' lengths at iteration `step`: uniform in [T/4, T], the same for every trainer."""
+    import torch
+
+    g = torch.Generator().manual_seed(1000 + step)
+    return torch.randint(max(T // 4, 1), T + 1, (batch,), generator=g)
+
+
+def cut(responses, lengths, eos: int, pad: int):
+    """Each row's response cut to its length: EOS at the last position, padding after. -> (responses, mask)."""
+    import torch
+
+    positions = torch.arange(responses.shape[1], device=responses.device)[None]
+    lengths = lengths.to(responses.device)[:, None]
+    mask = positions < lengths
+    out = responses.masked_fill(~mask, pad)
+    return out.masked_fill(positions == lengths - 1, eos), mask
+
+
+def ragged_trl_ext(trainer) -> None:
+    sampler, tok, steps = trainer.rollout_phase.sampler, trainer.processing_class, [0]
+    original = sampler.rollout_responses
+
+    def rollout_responses(queries, query_mask, step):
+        responses, _, logprobs = original(queries, query_mask, step)
+        lengths = stop_lengths(steps[0], responses.shape[0], responses.shape[1])
+        steps[0] += 1
+        responses, mask = cut(responses, lengths, tok.eos_token_id, tok.pad_token_id)
+        return responses, mask, logprobs * mask
+
+    sampler.rollout_responses = rollout_responses
+
+
+def ragged_trl(trainer) -> None:
+    """TRL 1.12 reads each answer's length from its first pad token (no stop token set: it truncates nothing)."""
+    import torch
+    import trl.experimental.ppo.ppo_trainer as trl_ppo
+
+    tok, steps, original = trainer.processing_class, [0], trl_ppo.batch_generation
+
+    def batch_generation(model, queries, *args, **kwargs):
+        query_responses, logits = original(model, queries, *args, **kwargs)
+        Q = queries.shape[1]
+        responses = query_responses[:, Q:]
+        lengths = stop_lengths(steps[0], responses.shape[0], responses.shape[1])
+        steps[0] += 1
+        responses, _ = cut(responses, lengths, tok.eos_token_id, tok.pad_token_id)
+        return torch.cat([query_responses[:, :Q], responses], 1), logits
+
+    trl_ppo.batch_generation = batch_generation
+
+
+def run_case(case: bench.Case, padding_free: bool) -> dict:
+    """bench_vs_trl.run_case with ragged answers (and padding_free for trl_ext)."""
+    build = bench.build_trainer
+
+    def build_trainer(case, output_dir, models):
+        import trl_ext
+
+        if case.trainer == "trl":
+            trainer = build(case, output_dir, models)
+            ragged_trl(trainer)
+            return trainer
+        config = trl_ext.PPOConfig
+        trl_ext.PPOConfig = lambda **kw: config(**{**kw, "padding_free": padding_free})
+        try:
+            trainer = build(case, output_dir, models)
+        finally:
+            trl_ext.PPOConfig = config
+        ragged_trl_ext(trainer)
+        return trainer
+
+    bench.build_trainer = build_trainer
+    return bench.run_case(case)
+
+
+def run_in_subprocess(case: bench.Case, name: str, log_dir: Path) -> dict | None:
+    if case.trainer == "trl" and importlib.util.find_spec("trl.experimental.ppo") is None:
+        return None
+    with tempfile.NamedTemporaryFile("r", suffix=".json") as result:
+        env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "TRL_EXPERIMENTAL_SILENCE": "1",
+               "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+        log = log_dir / f"{name}.log"
+        with open(log, "w") as f:
+            proc = subprocess.run([sys.executable, __file__, "--worker", json.dumps(asdict(case)), "--name", name,
+                                   "--result", result.name], stdout=f, stderr=subprocess.STDOUT, env=env, cwd=ROOT)
+        if proc.returncode != 0:
+            raise RuntimeError(f"{name} failed (exit {proc.returncode}); see {log}:\n" + log.read_text()[-3000:])
+        return json.loads(Path(result.name).read_text())
+
+
+def main(argv=None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="small", choices=bench.MODELS)
+    parser.add_argument("--response_length", type=int, default=64)
+    parser.add_argument("--batch_size", type=int, default=8)
+    parser.add_argument("--iterations", type=int, default=2, help="measured iterations (after 1 warm-up)")
+    parser.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
+    parser.add_argument("--out", default=None)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
+    parser.add_argument("--name", help=argparse.SUPPRESS)
+    parser.add_argument("--result", help=argparse.SUPPRESS)
+    cli = parser.parse_args(argv)
+    if cli.worker:
+        result = run_case(bench.Case(**json.loads(cli.worker)), padding_free=cli.name == "trl_ext_padding_free")
+        Path(cli.result).write_text(json.dumps(result))
+        return
+    today = datetime.date.today().isoformat()
+    out = Path(cli.out or ROOT / "benchmarks" / "results" / f"{cli.device}-{today}-padding-free")
+    (out / "logs").mkdir(parents=True, exist_ok=True)
+    base = bench.Case(cli.model, "trl_ext", "plain", cli.response_length, cli.batch_size, cli.iterations,
+                      device=cli.device)
+    rows = {}
+    for name in TRAINERS:
+        case = replace(base, trainer="trl" if name == "trl" else "trl_ext")
+        run = run_in_subprocess(case, name, out / "logs")
+        rows[name] = None if run is None else {"run": run, "summary": bench.summarize(run)}
+        s = rows[name] and rows[name]["summary"]
+        print(f"{name}: " + (f"{s['seconds_per_iteration']:.2f} s/iter, peak growth {s['peak_growth_mb']:.0f} MB"
+                             if s else "not run (needs trl==1.12.0)"), flush=True)
+    padded = rows["trl_ext"]["summary"]
+    lines = [f"{today}, {bench.hardware(cli.device)}; {cli.model}, T={cli.response_length}, B={cli.batch_size}, "
+             f"answers cut at lengths uniform in [T/4, T]; median of {cli.iterations} iterations after 1 warm-up.",
+             "", "| trainer | s/iter | × trl_ext padded | scoring + update s | × | peak growth MB | × |",
+             "|---|---|---|---|---|---|---|"]
+    for name in TRAINERS:
+        if rows[name] is None:
+            lines.append(f"| {name} | not run: needs trl==1.12.0 | | | | | |")
+            continue
+        s = rows[name]["summary"]
+        work = sum(v for k, v in s["phases"].items() if k in ("critic", "reference", "reward", "update"))
+        padded_work = sum(v for k, v in padded["phases"].items() if k in ("critic", "reference", "reward", "update"))
+        lines.append(f"| {name} | {s['seconds_per_iteration']:.2f} | "
+                     f"{s['seconds_per_iteration'] / padded['seconds_per_iteration']:.2f} | {work:.2f} | "
+                     f"{work / padded_work:.2f} | {s['peak_growth_mb']:.0f} | "
+                     f"{s['peak_growth_mb'] / padded['peak_growth_mb']:.2f} |")
+    table = "\n".join(lines) + "\n"
+    (out / "results.json").write_text(json.dumps({"command": " ".join(sys.argv), "rows": rows}, indent=1))
+    (out / "results.md").write_text(table)
+    print(table)
+
+
+if __name__ == "__main__":
+    main()
