@@ -24,7 +24,8 @@ and how it held the parameters.
   micro-batches by rows / by `PACKED_BUDGET` tokens (as many on each process); `micro_tokens`: each micro-batch's
   real tokens on the main process.
 - `warmup`: one critic-warmup iteration with weight decay (the policy must not move); `loaded`: the config first,
-  then the models from disk (partitioned as they load under ZeRO-3), no gathering for generation, an evaluation.
+  then the models from disk (partitioned as they load under ZeRO-3), no gathering for generation, an evaluation,
+  padding-free (the models' probe runs on partitioned weights).
 - `straight`: 4 iterations, default sampling; `interrupted`: the same settings, a checkpoint every iteration, stopped
   after 2; `resumed`: a fresh trainer resumed from `interrupted`'s checkpoint-2.
 - Faults (each must end as `straight` does): `preempted`: SIGTERM to process 1 alone at iteration 2, no
@@ -357,7 +358,7 @@ def run(name: str, out: str) -> dict:
         t.train()
     elif name == "loaded":  # as a script runs: the config first, then the models from disk (ZeRO-3: partitioned
         # as they load, so the reference is built partitioned too), generation without gathering, an evaluation
-        t = build(run_dir, per_device, 2, from_disk=True, ds3_gather_for_generation=False,
+        t = build(run_dir, per_device, 2, from_disk=True, ds3_gather_for_generation=False, padding_free=True,
                   eval_dataset=tiny_prompt_dataset(tiny_tokenizer(), n=4, seed=3), eval_strategy="steps", eval_steps=1)
         t.train()
     elif name == "shared_matched":

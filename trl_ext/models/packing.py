@@ -13,6 +13,8 @@ Shapes: B = rows, L = Q + T, N = real tokens of the rows, R = real response toke
 
 from __future__ import annotations
 
+from contextlib import nullcontext
+
 import torch
 import torch.nn as nn
 
@@ -79,7 +81,13 @@ def check_padding_free(model: nn.Module, role: str, forward) -> None:
     device = next(model.parameters()).device
     inputs, _ = probe_batch(vocab, device)
     packing = Packing.of(inputs)
-    with torch.no_grad():
+    params = list(model.parameters())
+    gathered = nullcontext()
+    if any(hasattr(p, "ds_id") for p in params):  # partitioned by ZeRO-3 as it loaded: whole for the probe
+        import deepspeed
+
+        gathered = deepspeed.zero.GatheredParameters(params)
+    with torch.no_grad(), gathered:
         out = forward(model, inputs)
         padded, packed = out.float(), packing.unpack(forward(model, packing.inputs)).float()
     mask = packing.real.reshape(*packing.real.shape, *[1] * (padded.dim() - 2))
