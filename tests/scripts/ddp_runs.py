@@ -130,13 +130,17 @@ class SignalAt(TrainerCallback):
 
 def hang_in_save(step: int, marker_dir: str) -> None:
     """From now on, the save of checkpoint `step` stops for good once every process has written its files into
-    `checkpoint-N.partial` (before the seal and the rename), each process writing `SAVING.rank<i>` into marker_dir."""
+    `checkpoint-N.partial` (before the seal and the rename), each process writing its pid into `SAVING.rank<i>` in
+    marker_dir."""
     save_rng_state = PPOTrainer._save_rng_state
 
     def hanging(self, output_dir):
         save_rng_state(self, output_dir)
         if self.state.global_step == step:
-            open(os.path.join(marker_dir, f"SAVING.rank{self.args.process_index}"), "w").close()
+            marker = os.path.join(marker_dir, f"SAVING.rank{self.args.process_index}")
+            with open(marker + ".tmp", "w") as f:  # the test kills it by pid: it runs in a session of its own
+                f.write(str(os.getpid()))
+            os.replace(marker + ".tmp", marker)  # the marker appears with its pid in it
             time.sleep(3600)
 
     PPOTrainer._save_rng_state = hanging

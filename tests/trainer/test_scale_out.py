@@ -131,8 +131,9 @@ def launched(request, tmp_path_factory):
 
 
 def kill_inside_a_save(command: list[str], out: Path, env: dict) -> None:
-    """Launch `killed_in_save` and SIGKILL the whole launch (its process group: the launcher and both processes)
-    once every process has written its files into checkpoint-2.partial (`ddp_runs.hang_in_save`'s markers)."""
+    """Launch `killed_in_save` and SIGKILL the whole launch (its process group, and each process by the pid in its
+    marker: torch's launcher starts them in sessions of their own) once every process has written its files into
+    checkpoint-2.partial (`ddp_runs.hang_in_save`'s markers)."""
     markers = [out / f"SAVING.rank{rank}" for rank in (0, 1)]
     with open(out / "killed.stderr", "w") as stderr:
         proc = subprocess.Popen(command, stdout=subprocess.DEVNULL, stderr=stderr, env=env, cwd=ROOT,
@@ -146,6 +147,13 @@ def kill_inside_a_save(command: list[str], out: Path, env: dict) -> None:
         finally:
             os.killpg(proc.pid, signal.SIGKILL)
             proc.wait()
+            for marker in markers:  # the processes themselves, outside the launcher's process group
+                pid = marker.read_text() if marker.exists() else ""
+                if pid.isdigit():
+                    try:
+                        os.kill(int(pid), signal.SIGKILL)
+                    except ProcessLookupError:
+                        pass
 
 
 @pytest.fixture(scope="module")
