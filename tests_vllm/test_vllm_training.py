@@ -6,6 +6,7 @@ import math
 import torch
 
 from trl_ext import PPOConfig, PPOTrainer
+from trl_ext.monitoring.diagnostics import WALL_CLOCK_KEYS
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 SIZE = dict(hidden_size=128, intermediate_size=256, num_attention_heads=2, num_key_value_heads=1)
@@ -103,7 +104,8 @@ def test_resume_with_vllm_gives_the_uninterrupted_run(tmp_path):
         assert torch.equal(p, q)
 
     def logs(t):
-        return [{k: v for k, v in h.items() if k != "eps"} for h in t.state.log_history if "objective/scores" in h]
+        return [{k: v for k, v in h.items() if k not in WALL_CLOCK_KEYS} for h in t.state.log_history
+                if "objective/scores" in h]
 
     assert logs(resumed) == logs(straight) and len(logs(straight)) == 3
 
