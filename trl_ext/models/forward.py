@@ -85,8 +85,7 @@ def response_logprobs(model: nn.Module, inputs: dict, responses: torch.Tensor, t
     where `responses` may hold a pad id the model does not have). With a `Packing` of them the forward is
     padding-free, and the positions after the stop token hold 0."""
     if packing is not None:
-        logits = lm_logits(model, packing.inputs, packing.keep)  # (1, R, V)
-        return packing.responses(token_logprobs(logits, packing.targets[None], temperature, LOGPROB_CHUNK)[0])
+        return packing.logprobs(lm_logits(model, packing.inputs, packing.keep), temperature)
     T = responses.shape[1]
     logits = lm_logits(model, inputs, T + 1)  # (B, T+1, V) or (B, Q+T, V)
     return token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:], temperature, LOGPROB_CHUNK)

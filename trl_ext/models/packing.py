@@ -18,7 +18,8 @@ from contextlib import nullcontext
 import torch
 import torch.nn as nn
 
-from .forward import _underlying, position_ids_from_mask
+from ..core import token_logprobs
+from .forward import LOGPROB_CHUNK, _underlying, position_ids_from_mask
 from .value import probe_batch
 
 
@@ -67,6 +68,14 @@ class Packing:
         out = x.new_zeros(*self.response_mask.shape, *x.shape[1:])
         out[self.response_mask] = x
         return out
+
+    def logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(1, R, V) logits at the `keep` positions -> (B, T) fp32 log-probs of the response tokens."""
+        return self.responses(token_logprobs(logits, self.targets[None], temperature, LOGPROB_CHUNK)[0])
+
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, N) per-position outputs (a value head's) -> (B, T): at the position before each response token."""
+        return self.responses(x[0, self.keep])
 
     def last_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """(1, N, ...) -> (B, ...): each row's last real token."""

@@ -169,11 +169,10 @@ class RolloutPhase:
                     del logits
                 else:
                     logits, value = model(**forward, logits_to_keep=packing.keep, **kept)  # (1, R, V)
-                    parts["logprobs"].append(packing.responses(
-                        token_logprobs(logits, packing.targets[None], args.temperature, LOGPROB_CHUNK)[0]))
+                    parts["logprobs"].append(packing.logprobs(logits, args.temperature))
                     del logits
                 parts["values"].append((value[:, -T - 1 : -1] if packing is None
-                                        else packing.responses(value[0, packing.keep])).float())
+                                        else packing.values(value)).float())
             # 5. the scores of the response cut after its stop token
             with self.phases("reward"), accelerator.autocast():
                 extra = {k: v[s] for k, v in extra_columns.items()}

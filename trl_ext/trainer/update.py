@@ -63,7 +63,7 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
 def value_terms(values: torch.Tensor, micro: Rollout, args, denominator, packing: Packing | None = None):
     """(b, L) value-head outputs, or (1, N) over a packing -> (value loss, its stats)."""
     vpred = (values[:, -micro.responses.shape[1] - 1 : -1] if packing is None
-             else packing.responses(values[0, packing.keep])).float()
+             else packing.values(values)).float()
     return value_loss(vpred, micro.values, micro.returns, micro.response_mask, args.vf_loss_type,
                       args.cliprange_value, args.vf_huber_delta, denominator, args.loss_agg_mode)
 
