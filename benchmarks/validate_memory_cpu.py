@@ -48,6 +48,11 @@ CONFIGS = {
     "shared-bf16-ckpt": dict(layout="shared", base_dtype="fp32", compute_dtype="bf16", autocast=True,
                              gradient_checkpointing=True),
     "shared-nf4-bf16": dict(layout="shared", base_dtype="nf4", compute_dtype="bf16", autocast=True),
+    # padding-free passes of at most 2 rows' tokens (the prompts are all max_prompt_length: the worst packing)
+    "separate-fp32-packed": dict(layout="separate", base_dtype="fp32", compute_dtype="fp32", padding_free=True,
+                                 max_tokens_per_micro_batch=192, min_prompt_length=32),
+    "shared-bf16-packed": dict(layout="shared", base_dtype="fp32", compute_dtype="bf16", autocast=True,
+                               padding_free=True, max_tokens_per_micro_batch=192, min_prompt_length=32),
 }
 SMALLEST = "separate-fp32"
 PHASES = {"generation": "generation (KV cache)", "policy_and_value": "scoring: policy + value forward",
@@ -102,7 +107,8 @@ def _worker(name: str) -> dict:
                          num_mini_batches=plan.num_mini_batches, num_ppo_epochs=1,
                          local_rollout_forward_batch_size=plan.local_rollout_forward_batch_size,
                          response_length=plan.response_length, max_prompt_length=plan.max_prompt_length,
-                         gradient_checkpointing=plan.gradient_checkpointing,
+                         gradient_checkpointing=plan.gradient_checkpointing, padding_free=plan.padding_free,
+                         max_tokens_per_micro_batch=plan.max_tokens_per_micro_batch,
                          total_episodes=2 * plan.local_batch_size, cpu_reuse_freed_memory=False)
         models = build_models(script_args, args, plan, tokenizer, reward_function=length_reward)
         trainer = PPOTrainer(args=args, processing_class=tokenizer, train_dataset=dataset, **models)

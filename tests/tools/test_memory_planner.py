@@ -182,6 +182,107 @@ def test_checkpointing_and_chunking_lower_the_training_peak():
     assert big.static_bytes == on.static_bytes and big.peak_bytes > on.peak_bytes
 
 
+# ------------------------------------------------------------------------------------------- padding-free plans
+
+
+def test_packed_passes_by_hand():
+    """forward_pass: padded rows, packed rows without a budget, and a budget's worst packing (rows of
+    min_prompt_length + T tokens, the remainder a row of its own)."""
+    from trl_ext.tools.memory import forward_pass
+
+    base = dict(max_prompt_length=32, response_length=64)
+    padded = forward_pass(PlanConfig(**base), rows=4)
+    assert (padded.tokens, padded.logit_positions, padded.mask) == (4 * 96, 4 * 65, 96)
+    packed = forward_pass(PlanConfig(**base, padding_free=True), rows=4)
+    assert (packed.tokens, packed.logit_positions, packed.mask) == (384, 4 * 64, 384)
+    # 200 tokens, prompts of 1: 3 rows of 1 + 64 (192 response tokens) and a row of 5 (4 response tokens)
+    worst = forward_pass(PlanConfig(**base, padding_free=True, max_tokens_per_micro_batch=200), rows=8)
+    assert (worst.tokens, worst.logit_positions, worst.mask) == (200, 196, 200)
+    # prompts of at least 32: 2 rows of 96 and 8 tokens that cannot hold a response
+    long_prompts = forward_pass(PlanConfig(**base, padding_free=True, max_tokens_per_micro_batch=200,
+                                           min_prompt_length=32), rows=8)
+    assert (long_prompts.tokens, long_prompts.logit_positions) == (200, 128)
+    # a budget above what the rows can hold: the rows at full length
+    few = forward_pass(PlanConfig(**base, padding_free=True, max_tokens_per_micro_batch=1000), rows=2)
+    assert (few.tokens, few.logit_positions) == (192, 128)
+
+
+def test_a_token_budget_bounds_the_training_step_by_tokens():
+    shape = PRESETS["llama-3-8b"]
+    base = dict(per_device_train_batch_size=4, gradient_accumulation_steps=8, max_prompt_length=512,
+                response_length=256, padding_free=True, min_prompt_length=512)
+    rows = estimate_memory(shape, PlanConfig(**base))
+    # a budget of the 4 rows' tokens (and prompts as long as in the padded plan): the same training step
+    same = estimate_memory(shape, PlanConfig(**base, max_tokens_per_micro_batch=4 * 768))
+    assert same.phase_total(same.phases[-1]) == rows.phase_total(rows.phases[-1])
+    # twice the budget costs more; shorter prompts make the worst packing hold more response tokens (logits)
+    double = estimate_memory(shape, PlanConfig(**base, max_tokens_per_micro_batch=8 * 768))
+    short = estimate_memory(shape, PlanConfig(**{**base, "min_prompt_length": 1}, max_tokens_per_micro_batch=8 * 768))
+    assert rows.phase_total(rows.phases[-1]) < double.phase_total(double.phases[-1]) < short.phase_total(
+        short.phases[-1])
+    # the static part and generation do not depend on how the passes are packed
+    assert double.static_bytes == rows.static_bytes
+    assert double.phase_total(double.phases[0]) == rows.phase_total(rows.phases[0])
+
+
+def test_bad_token_budgets_are_errors():
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=4096 needs padding_free: true"):
+        PlanConfig(max_tokens_per_micro_batch=4096)
+    with pytest.raises(ValueError, match="max_tokens_per_micro_batch=300 cannot hold the longest row: "
+                       "max_prompt_length \\+ response_length = 512"):
+        PlanConfig(padding_free=True, max_tokens_per_micro_batch=300)
+    with pytest.raises(ValueError, match="needs chunked_logits: true"):
+        PlanConfig(padding_free=True, chunked_logits=False)
+    with pytest.raises(ValueError, match="min_prompt_length=300 is above max_prompt_length=256"):
+        PlanConfig(min_prompt_length=300)
+
+
+def test_largest_response_length_is_the_last_that_fits():
+    from dataclasses import replace
+
+    from trl_ext.tools.memory import largest_response_length
+
+    plan = PlanConfig.from_file(_recipe("shared_16gb"))
+    for name in ("llama-3-8b", "mistral-7b"):
+        T = largest_response_length(PRESETS[name], plan, 16)
+        assert estimate_memory(PRESETS[name], replace(plan, response_length=T)).fits(16)
+        assert not estimate_memory(PRESETS[name], replace(plan, response_length=T + 1)).fits(16)
+    # a token budget caps it at the longest row the budget holds
+    budget = replace(plan, padding_free=True, max_tokens_per_micro_batch=1024)
+    assert largest_response_length(PRESETS["mistral-7b"], budget, 24) == 1024 - plan.max_prompt_length
+    # nothing fits a 1 GB GPU: the base alone is larger
+    assert largest_response_length(PRESETS["mistral-7b"], plan, 1) == 0
+
+
+@pytest.mark.parametrize("recipe, gib", [("shared_24gb", 24), ("shared_16gb", 16), ("shared_12gb", 12),
+                                         ("separate_24gb", 24)])
+def test_recipe_comments_state_the_longest_response_that_fits(recipe, gib):
+    from trl_ext.tools.memory import largest_response_length
+
+    plan = PlanConfig.from_file(_recipe(recipe))
+    with open(_recipe(recipe)) as fh:
+        text = fh.read()
+    assert f"# Longest response that fits {gib} GB" in text
+    stated = dict(re.findall(r"#\s+(\S+)\s+longest response\s+(\d+) tokens", text))
+    assert stated == {name: str(largest_response_length(shape, plan, gib)) for name, shape in PRESETS.items()}
+
+
+def test_cli_plans_a_token_budget(capsys):
+    assert main(["estimate-memory", _recipe("shared_16gb"), "--max_tokens_per_micro_batch", "4096", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["plan"]["padding_free"] and data["plan"]["max_tokens_per_micro_batch"] == 4096
+    plan = PlanConfig.from_file(_recipe("shared_16gb"))
+    packed = PlanConfig(**{**data["plan"]})
+    assert data["peak_bytes"] == estimate_memory(PRESETS["mistral-7b"], packed).peak_bytes
+    assert data["peak_bytes"] != estimate_memory(PRESETS["mistral-7b"], plan).peak_bytes
+    assert main(["estimate-memory", _recipe("shared_16gb"), "--max_tokens_per_micro_batch", "4096"]) == 0
+    out = capsys.readouterr().out
+    assert "padding-free with at most 4096 tokens a pass" in out and "4096 packed tokens" in out
+    assert re.search(r"longest response that fits, the rest as planned: 24 GB: \d+ tokens", out)
+    assert main(["estimate-memory", _recipe("shared_16gb"), "--max_tokens_per_micro_batch", "100"]) == 2
+    assert "cannot hold the longest row" in capsys.readouterr().err
+
+
 # ------------------------------------------------------------------------------------------- recipes
 
 

@@ -2,6 +2,7 @@
 
     trl-ext report RUN_DIR               # or: python -m trl_ext.tools.cli report RUN_DIR
     trl-ext estimate-memory CONFIG [--model PRESET|config.json] [--json] [--all-presets]
+                                   [--padding_free] [--max_tokens_per_micro_batch N]
 
 ``report`` prints a summary of ``RUN_DIR/metrics.jsonl`` (start vs end of the key metrics, alarms raised) and writes
 ``RUN_DIR/dashboard.png``; the last line printed is the PNG's path.
@@ -9,7 +10,9 @@
 ``estimate-memory`` prints the memory planner's table (trl_ext/tools/memory.py) for a recipe's plan (a YAML/JSON file of
 PlanConfig fields, e.g. recipes/qlora_7b/shared_16gb.yaml) and a model: ``--model``, else the file's ``model`` key
 (a preset: llama-2-7b, llama-3-8b, mistral-7b, qwen2.5-7b; or a config.json). ``--json`` prints it as JSON;
-``--all-presets`` prints one line per preset instead.
+``--all-presets`` prints one line per preset instead. ``--padding_free`` and ``--max_tokens_per_micro_batch N`` (a token
+budget; it implies padding-free) override the file's: the estimate is then for packed passes, a budget's for its worst
+packing. The table ends with the longest response that fits 24, 16 and 12 GB with the rest as planned.
 
 Exit codes: 0 done; 1 metrics.jsonl is malformed; 2 usage error, or the folder or its metrics.jsonl does not exist,
 or (estimate-memory) the plan file or the model is missing or invalid.
@@ -43,16 +46,26 @@ def _parser() -> argparse.ArgumentParser:
     est.add_argument("--json", action="store_true", help="print the estimate as JSON")
     est.add_argument("--all-presets", action="store_true",
                      help="one line per preset model (peak, needed, verdicts) instead of the table")
+    est.add_argument("--padding_free", action="store_true",
+                     help="plan padding-free passes (PPOConfig.padding_free), whatever the file says")
+    est.add_argument("--max_tokens_per_micro_batch", type=int, metavar="N",
+                     help="plan micro-batches and scoring chunks of at most N real tokens, packed (implies "
+                     "--padding_free): the peak of the worst packing")
     return parser
 
 
 def _estimate_memory(args) -> int:
+    import dataclasses
     import json
 
     from .memory import PlanConfig, estimate_memory, load_shape, presets_summary
 
     try:
         plan = PlanConfig.from_file(args.config)
+        if args.padding_free or args.max_tokens_per_micro_batch is not None:
+            plan = PlanConfig.from_dict({**dataclasses.asdict(plan), "padding_free": True,
+                                         "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch
+                                         or plan.max_tokens_per_micro_batch})
         if args.all_presets:
             print(presets_summary(plan))
             return 0

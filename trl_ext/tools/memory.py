@@ -35,10 +35,10 @@ from __future__ import annotations
 
 import json
 import os
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field, fields, replace
 
 __all__ = ["GIB", "PRESETS", "ModelShape", "PlanConfig", "MemoryEstimate", "estimate_memory", "load_shape",
-           "GPU_SIZES_GIB", "quantized_bytes_per_param", "presets_summary"]
+           "GPU_SIZES_GIB", "quantized_bytes_per_param", "presets_summary", "largest_response_length", "forward_pass"]
 
 GIB = 1024**3
 GPU_SIZES_GIB = (24, 16, 12)
@@ -239,6 +239,15 @@ class PlanConfig:
     log-probs C positions at a time (trl_ext.core.token_logprobs). False: TRL 1.12's way (logits of all positions,
     fp32 copies of the (B, T, V) response logits)"""
     logits_chunk_size: int = 64
+    padding_free: bool = False
+    """PPOConfig.padding_free: each scoring chunk and training micro-batch runs as one packed sequence of its real
+    tokens (sdpa's (N, N) block mask over its N tokens; flash_attention_2 builds none, so this overestimates it)"""
+    max_tokens_per_micro_batch: int | None = None
+    """PPOConfig.max_tokens_per_micro_batch (needs padding_free): scoring chunks and micro-batches of at most this
+    many real tokens; the estimate is for the worst packing (`packed_pass`)"""
+    min_prompt_length: int = 1
+    """the shortest prompt (tokens): a token budget's worst packing is of rows this short with full responses, the
+    most response positions (logits) a budget can hold"""
     cuda_overhead_gib: float = 0.75
     fragmentation: float = 0.10
     notes: str = ""
@@ -256,13 +265,31 @@ class PlanConfig:
             raise ValueError(f"non_quantized_dtype={self.non_quantized_dtype!r} must be one of {tuple(FLOAT_BYTES)} "
                              "or null")
         for f in ("lora_r", "per_device_train_batch_size", "gradient_accumulation_steps", "num_mini_batches",
-                  "local_rollout_forward_batch_size", "max_prompt_length", "response_length", "logits_chunk_size"):
+                  "local_rollout_forward_batch_size", "max_prompt_length", "response_length", "logits_chunk_size",
+                  "min_prompt_length"):
             v = getattr(self, f)
             if isinstance(v, bool) or not isinstance(v, int) or v < 1:
                 raise ValueError(f"{f}={v!r} must be a positive int")
         if self.cuda_overhead_gib < 0 or not 0 <= self.fragmentation < 1:
             raise ValueError(f"cuda_overhead_gib={self.cuda_overhead_gib} must be >= 0 and fragmentation="
                              f"{self.fragmentation} in [0, 1)")
+        budget = self.max_tokens_per_micro_batch
+        if budget is not None:
+            if isinstance(budget, bool) or not isinstance(budget, int) or budget < 1:
+                raise ValueError(f"max_tokens_per_micro_batch={budget!r} must be a positive int or null")
+            if not self.padding_free:
+                raise ValueError(f"max_tokens_per_micro_batch={budget} needs padding_free: true (as in PPOConfig)")
+            if budget < self.max_prompt_length + self.response_length:
+                raise ValueError(f"max_tokens_per_micro_batch={budget} cannot hold the longest row: "
+                                 f"max_prompt_length + response_length = "
+                                 f"{self.max_prompt_length + self.response_length} (as PPOConfig refuses it)")
+        if self.padding_free and not self.chunked_logits:
+            raise ValueError("padding_free: true computes logits at the response positions only: it needs "
+                             "chunked_logits: true (chunked_logits: false plans TRL 1.12's trainer, which has no "
+                             "padding-free passes)")
+        if self.min_prompt_length > self.max_prompt_length:
+            raise ValueError(f"min_prompt_length={self.min_prompt_length} is above max_prompt_length="
+                             f"{self.max_prompt_length}")
         _ = self.lora_targets  # validates the names
         _ = self.optimizer_bytes_per_param  # validates optim
 
@@ -409,6 +436,10 @@ class MemoryEstimate:
     def format_table(self) -> str:
         p, s = self.plan, self.shape
         g = lambda b: f"{b / GIB:7.2f}"  # noqa: E731
+        budget = p.max_tokens_per_micro_batch
+        packed = "" if not p.padding_free else ", padding-free" + (
+            f" with at most {budget} tokens a pass (its worst packing: prompts of {p.min_prompt_length})"
+            if budget else "")
         lines = [
             f"model {s.name}: {s.num_parameters() / 1e9:.2f}B params (h={s.hidden_size}, I={s.intermediate_size}, "
             f"L={s.num_hidden_layers}, heads={s.num_attention_heads}/{s.num_key_value_heads} kv, V={s.vocab_size})",
@@ -417,7 +448,7 @@ class MemoryEstimate:
             f"{p.local_rollout_forward_batch_size}), micro-batch {p.per_device_train_batch_size}, "
             f"prompt {p.max_prompt_length} + response {p.response_length} tokens, "
             f"checkpointing {'on' if p.gradient_checkpointing else 'off'}, "
-            f"chunked logits {'on' if p.chunked_logits else 'off'}",
+            f"chunked logits {'on' if p.chunked_logits else 'off'}" + packed,
             "",
             f"{'component':<66}{'GiB':>8}",
             "static (every phase)",
@@ -444,7 +475,26 @@ class MemoryEstimate:
             f"{'= needed on the GPU':<66}{g(self.required_bytes)}",
         ]
         lines += [f"  {k}: {v}" for k, v in self.verdicts().items()]
+        longest = {g: largest_response_length(s, p, g) for g in GPU_SIZES_GIB}
+        lines.append("longest response that fits, the rest as planned: " + ", ".join(
+            f"{g} GB: {t} tokens" if t else f"{g} GB: none" for g, t in longest.items()))
         return "\n".join(lines)
+
+
+def largest_response_length(shape: ModelShape, plan: PlanConfig, gib: float) -> int:
+    """The largest `response_length` (every other setting as in `plan`) whose estimate fits a `gib` GB GPU; 0 if not
+    even 1 token does. A token budget caps it at max_tokens_per_micro_batch - max_prompt_length (the longest row)."""
+    def fits(T: int) -> bool:
+        return estimate_memory(shape, replace(plan, response_length=T)).fits(gib)
+
+    budget = plan.max_tokens_per_micro_batch
+    lo, hi = 0, (budget - plan.max_prompt_length) if budget else 1 << 20
+    if hi >= 1 and fits(hi):
+        return hi
+    while hi - lo > 1:  # fits(lo) (or lo == 0), not fits(hi): memory grows with the response length
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if fits(mid) else (lo, mid)
+    return lo
 
 
 def presets_summary(plan: PlanConfig, sizes=GPU_SIZES_GIB) -> str:
@@ -585,26 +635,52 @@ def _static_memory(shape: ModelShape, plan: PlanConfig, z: _Sizes) -> dict[str, 
     return static
 
 
+@dataclass(frozen=True)
+class Pass:
+    """The sizes of one forward: the `tokens` it runs, the `logit_positions` whose logits it computes, and `mask`, the
+    positions each token's row of the attention mask spans (padded: the row length S; packed: all N tokens)."""
+    tokens: int
+    logit_positions: int
+    mask: int
+    label: str
+
+
+def forward_pass(plan: PlanConfig, rows: int) -> Pass:
+    """One scoring chunk or training micro-batch of up to `rows` rows. Padded: `rows` rows of S = prompt + response
+    tokens, logits of the T + 1 positions that predict response tokens (all S without chunked logits). Padding-free
+    (`plan.padding_free`): one packed sequence; with a token budget, the worst packing: as many tokens as the budget
+    allows (N), and as many of them response tokens as rows of `min_prompt_length` + T tokens can make (R); without
+    one, the `rows` rows at full length."""
+    P, T = plan.max_prompt_length, plan.response_length
+    S = P + T
+    if not plan.padding_free:
+        return Pass(rows * S, rows * (T + 1 if plan.chunked_logits else S), S, f"{rows}×{S} tokens")
+    N = rows * S if plan.max_tokens_per_micro_batch is None else min(plan.max_tokens_per_micro_batch, rows * S)
+    full_rows, rest = divmod(N, plan.min_prompt_length + T)
+    R = min(rows * T, full_rows * T + max(0, rest - plan.min_prompt_length))
+    return Pass(N, R, N, f"{N} packed tokens")
+
+
 def _rollout_phases(shape: ModelShape, plan: PlanConfig, z: _Sizes) -> list[Phase]:
-    """1. generation, 2.-4. the scoring forwards (no grad, chunks of f sequences of S tokens)."""
+    """1. generation, 2.-4. the scoring forwards (no grad, chunks of f sequences of S tokens, or packed chunks)."""
     V, L, P, R = shape.vocab_size, shape.num_hidden_layers, plan.max_prompt_length, plan.response_length
     S, f, a_logits = P + R, z.f, z.a_logits
     layer_t = _layer_transient_per_token(shape, plan, z.a, z.s)
-    mask_t = S * (1 + z.a)  # the (b, 1, S, S) bool mask and its per-layer conversion, per token
     dq = {"dequantized weight (one linear, compute dtype)": z.dequant} if z.dequant else {}
-    # 1. generation: the KV cache for S tokens of f sequences, plus the prefill's per-layer working set
+    # 1. generation (padded, whatever padding_free says): the KV cache for S tokens of f sequences, plus the
+    # prefill's per-layer working set with its (f, 1, S, S) bool mask and that mask's per-layer conversion
     kv = 2 * L * f * S * shape.kv_dim * z.a
     cast = {"lm_head cast to the compute dtype (autocast)": z.head_cast} if z.head_cast else {}
     gen = {f"KV cache: 2·L·{f} seqs·{S} tokens·{shape.kv_dim} kv dim": kv,
-           f"prefill working set of one layer ({f}×{P} tokens)": f * P * (layer_t + mask_t),
+           f"prefill working set of one layer ({f}×{P} tokens)": f * P * (layer_t + S * (1 + z.a)),
            f"sampling: last-position logits, fp32 ({f}×V ×3)": f * V * 4 * 3, **dq, **cast}
-    # 2.-4. chunked (trl_ext): logits of the T + 1 positions that predict response tokens only (logits_to_keep),
+    # 2.-4. chunked (trl_ext): logits of the positions that predict response tokens only (logits_to_keep),
     # log-probs C positions at a time (core.token_logprobs); not chunked (TRL 1.12): logits of all S positions, then
     # logits[:, Q-1:-1].float() / T: an fp32 copy (when the logits are not fp32) and its quotient
     C = z.chunk
-    pos = R + 1 if plan.chunked_logits else S
+    chunk = forward_pass(plan, plan.local_batch_size if plan.max_tokens_per_micro_batch else f)
     lname = "bf16" if a_logits == 2 else "fp32"
-    full = f * pos * V * a_logits
+    full = chunk.logit_positions * V * a_logits
     if plan.chunked_logits:
         # per (C, V) chunk: the fp32 upcast (none for fp32 logits), its quotient by T, logsumexp's working tensor
         n = 2 if a_logits == 4 else 3
@@ -613,17 +689,19 @@ def _rollout_phases(shape: ModelShape, plan: PlanConfig, z: _Sizes) -> list[Phas
         logp = {f"response logits / T, fp32 ({f}×{R}×V{' ×2' if a_logits != 4 else ''})":
                 f * R * V * 4 * (2 if a_logits != 4 else 1),
                 "logsumexp working set (one row, fp32)": R * V * 4}
-    fwd_t = f * S * (layer_t + mask_t)
+    fwd_t = chunk.tokens * (layer_t + chunk.mask * (1 + z.a))  # one layer, its mask and the mask's conversion
+    logits = f"({chunk.label}: {chunk.logit_positions} positions ×V, {lname})"
     # the policy's logits stay alive while the value model runs, then the log-probs are taken
     # (autocast's lm_head cast is freed once the logits are made, before the log-probs)
-    policy_value = {f"policy logits ({f}×{pos}×V, {lname})": full,
+    policy_value = {f"policy logits {logits}": full,
                     "the larger of: value forward (one layer), log-probs, lm_head cast":
                     max(fwd_t, sum(logp.values()), z.head_cast), **dq}
-    ref = {f"reference logits ({f}×{pos}×V, {lname})": full,
+    ref = {f"reference logits {logits}": full,
            "the larger of: log-probs, lm_head cast": max(sum(logp.values()), z.head_cast), **dq}
     if not plan.chunked_logits:  # the quotient is made while the full logits exist, then upcast
         ref[f"response logits / T ({f}×{R}×V, {lname})"] = f * R * V * a_logits if a_logits != 4 else 0
-    reward = {f"one layer ({f}×{S} tokens)": fwd_t, "final hidden states": f * S * shape.hidden_size * z.s, **dq}
+    reward = {f"one layer ({chunk.label})": fwd_t, "final hidden states": chunk.tokens * shape.hidden_size * z.s,
+              **dq}
     return [Phase("generation (KV cache)", gen), Phase("scoring: policy + value forward", policy_value),
             Phase("scoring: reference forward", ref), Phase("scoring: reward forward", reward)]
 
@@ -634,13 +712,15 @@ def _training_phase(shape: ModelShape, plan: PlanConfig, z: _Sizes, checkpointin
     shared: the policy pass (forward + backward) and then the critic pass, each with its own adapter (trl_ext's
     `PPOUpdate._shared_losses`), so one role's activations at a time; the policy pass is the larger one."""
     h, V, L, R = shape.hidden_size, shape.vocab_size, shape.num_hidden_layers, plan.response_length
-    S, m, a, s, a_logits = plan.max_prompt_length + R, plan.per_device_train_batch_size, z.a, z.s, z.a_logits
+    m, a, s, a_logits = plan.per_device_train_batch_size, z.a, z.s, z.a_logits
     shared = plan.layout == "shared"
     n_models, who = (1, "policy pass") if shared else (2, "policy + critic")
     C = z.chunk
-    pos = R + 1 if plan.chunked_logits else S
-    per_layer_sum = sum(_layer_saved_per_token(shape, plan, a, S).values())
-    tokens = m * S
+    # a token budget packs up to a minibatch's rows into one micro-batch
+    micro = forward_pass(plan, plan.local_batch_size // plan.num_mini_batches if plan.max_tokens_per_micro_batch
+                         else m)
+    per_layer_sum = sum(_layer_saved_per_token(shape, plan, a, micro.mask).values())
+    tokens = micro.tokens
     terms: dict[str, int] = {}
     # backward runs from the loss down: first through the logits (every layer's saved tensors, or checkpointed
     # inputs, still alive), then layer by layer; the logits and their gradients are gone before the layers'
@@ -648,15 +728,15 @@ def _training_phase(shape: ModelShape, plan: PlanConfig, z: _Sizes, checkpointin
     backward = tokens * (2 * h * s + 2 * shape.intermediate_size * a)  # residual-stream and MLP gradients
     if checkpointing:
         # each checkpointed layer keeps its input; backward recomputes one layer at a time
-        terms[f"checkpointed layer inputs ({who}: {n_models}×L × {m}×{S} tokens × h)"] = n_models * L * tokens * h * s
+        terms[f"checkpointed layer inputs ({who}: {n_models}×L × {micro.label} × h)"] = n_models * L * tokens * h * s
         layer_stage = int(tokens * per_layer_sum) + backward
     else:
-        terms[f"saved activations ({who}: {n_models}×L × {m}×{S} tokens × {per_layer_sum / 1024:.1f} KiB)"] = int(
+        terms[f"saved activations ({who}: {n_models}×L × {micro.label} × {per_layer_sum / 1024:.1f} KiB)"] = int(
             n_models * L * tokens * per_layer_sum)
         layer_stage = backward
     if not shared:
         terms["value head input (final hidden states)"] = tokens * h * s
-    keep = m * pos * V * a_logits
+    keep = micro.logit_positions * V * a_logits
     if plan.chunked_logits:
         # token_logprobs keeps the (m, T+1, V) logits for backward; its backward makes a (m, T, V) gradient,
         # and the slice's backward a (m, T+1, V) one; one (C, V) chunk at a time in fp32: the upcast logits / T,
