@@ -320,6 +320,14 @@ class PPOConfig(PPOConfigBase):
                   "one optimizer step per minibatch as before (the loss keeps its token mean over the whole "
                   "minibatch). None: per_device_train_batch_size / local_rollout_forward_batch_size rows."},
     )
+    balance_batch: bool | None = field(
+        default=None,
+        metadata={"help": "With padding_free on more than one process (veRL's name): each minibatch's rows, from "
+                  "every process, are dealt out again so that each process gets as many rows and about as many "
+                  "real tokens (perf/update_token_imbalance). The same update: the loss is a token mean over the "
+                  "whole minibatch on any split. Costs one gather of the rollout per iteration. None: on with "
+                  "padding_free; False: each process trains on its own rows."},
+    )
     cpu_reuse_freed_memory: bool | None = field(
         default=None,
         metadata={"help": "Let glibc's malloc keep freed memory for reuse instead of page-faulting it in again each "
@@ -517,3 +525,6 @@ class PPOConfig(PPOConfigBase):
         _check(budget is None or self.padding_free,
                f"max_tokens_per_micro_batch={budget} sizes micro-batches by real tokens, which only bounds the "
                "work when padding is not computed: set padding_free=True as well.")
+        _check(not self.balance_batch or self.padding_free,
+               "balance_batch=True deals rows out by their real tokens, which only evens the work when padding is "
+               "not computed: set padding_free=True as well (or leave balance_batch at None).")

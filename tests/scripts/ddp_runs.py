@@ -19,10 +19,11 @@ and how it held the parameters.
   trainer whitens them with statistics over all processes (TRL whitens each process's share on its own). Responses
   stop at a likely EOS, so the processes hold different numbers of response tokens: the losses are token means over
   all of them, as in one process. `matched_lora` trains a LoRA policy.
-- `unpacked` / `packed` / `packed_budget`: `matched` with SGD (lr 0.1: the weights differ by lr x the gradients'
-  difference; Adam's first steps would magnify float noise in gradients near its ε), padded / padding_free=True, its
-  micro-batches by rows / by `PACKED_BUDGET` tokens (as many on each process); `micro_tokens`: each micro-batch's
-  real tokens on the main process.
+- `unpacked` / `packed` / `packed_own_rows` / `packed_budget`: `matched` with SGD (lr 0.1: the weights differ by lr x
+  the gradients' difference; Adam's first steps would magnify float noise in gradients near its ε), padded /
+  padding_free=True (each minibatch's rows dealt out again by tokens: balance_batch) / padding-free with each process
+  on its own rows (balance_batch=False) / micro-batches of at most `PACKED_BUDGET` tokens (as many on each process);
+  `micro_tokens`: each micro-batch's real tokens on the main process.
 - `warmup`: one critic-warmup iteration with weight decay (the policy must not move); `loaded`: the config first,
   then the models from disk (partitioned as they load under ZeRO-3), no gathering for generation, an evaluation,
   padding-free (the models' probe runs on partitioned weights).
@@ -347,8 +348,9 @@ def run(name: str, out: str) -> dict:
             t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0, lora=name != "matched",
                       frozen_critic=name == "matched_trunk", critic_warmup_steps=1)
             t.train()
-    elif name in ("unpacked", "packed", "packed_budget"):  # padded / padding-free, by rows / by tokens; SGD
+    elif name in ("unpacked", "packed", "packed_own_rows", "packed_budget"):  # padded / padding-free; SGD
         packing = {"unpacked": {}, "packed": {"padding_free": True},
+                   "packed_own_rows": {"padding_free": True, "balance_batch": False},
                    "packed_budget": {"padding_free": True, "max_tokens_per_micro_batch": PACKED_BUDGET}}[name]
         with matched_sampling():
             t = build(run_dir, per_device, MATCHED_STEPS, eos_bias=2.0, critic_warmup_steps=1, optim="sgd",
@@ -422,7 +424,7 @@ def run(name: str, out: str) -> dict:
         raise AssertionError("killed_in_save must hang in the save of checkpoint-2 until it is killed")
     else:
         raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, matched_trunk, unpacked, "
-                         "packed, packed_budget, warmup, loaded, "
+                         "packed, packed_own_rows, packed_budget, warmup, loaded, "
                          "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast, "
                          "preempted, preempted_resumed, damaged, killed_in_save, killed_resumed")
     result = summary(t) | {"initial": initial} | extra

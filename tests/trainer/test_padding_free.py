@@ -14,7 +14,7 @@ from peft import LoraConfig
 from transformers import AutoModelForSequenceClassification, GPT2Config, GPT2LMHeadModel, OPTConfig, OPTForCausalLM
 
 from trl_ext import PPOConfig, PPOTrainer
-from trl_ext.data.batches import token_budget_groups
+from trl_ext.data.batches import balanced_partition, token_budget_groups
 from trl_ext.models import (
     Packing,
     build_shared_base,
@@ -123,6 +123,20 @@ def test_token_budget_groups_fill_consecutive_rows_and_match_a_count():
         token_budget_groups([5, 5, 3, 7, 2], 6)
 
 
+def test_balanced_partition_by_hand():
+    """balance_batch's split of a minibatch's rows (all processes'): equal row counts, the longest row first to the
+    part with the fewest tokens that has room."""
+    # 10, 9, 8, 2, 2, 1 into 2 parts of 3: 10 -> A; 9 -> B; 8 -> B (9 < 10); 2 -> A (10 < 17); 2 -> A (12 < 17);
+    # A is full: 1 -> B. Tokens 14 and 18; the processes' own halves [10, 9, 8] / [2, 2, 1] were 27 and 5
+    assert balanced_partition([10, 9, 8, 2, 2, 1], 2) == [[0, 3, 4], [1, 2, 5]]
+    assert balanced_partition([3, 3, 3, 3], 4) == [[0], [1], [2], [3]]
+    # greedy: 12 -> A, 11 -> B, 10 -> B, 8 -> A, 8 -> A (full), 4 -> B: 28 and 25 tokens; the consecutive split
+    # [8, 8, 10] / [12, 11, 4] holds 26 and 27, so it stays
+    assert balanced_partition([8, 8, 10, 12, 11, 4], 2) == [[0, 1, 2], [3, 4, 5]]
+    with pytest.raises(ValueError, match="5 rows do not split into 2 parts of equal size"):
+        balanced_partition([1, 2, 3, 4, 5], 2)
+
+
 def test_packing_round_trips_by_hand():
     """Two rows, left-padded prompts, right-padded responses: the packed ids, position ids, kept positions and
     targets written out by hand, and unpacking puts each value back in its padded place."""
@@ -163,6 +177,8 @@ def test_bad_settings_are_refused_by_name(tmp_path):
         PPOConfig(output_dir=str(tmp_path), max_tokens_per_micro_batch=64)
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch=0 must be a positive"):
         PPOConfig(output_dir=str(tmp_path), padding_free=True, max_tokens_per_micro_batch=0)
+    with pytest.raises(ValueError, match="balance_batch=True .* set padding_free=True"):
+        PPOConfig(output_dir=str(tmp_path), balance_batch=True)
     tok = tiny_tokenizer()
     policy, reward, value = models(tok, "full")
     with pytest.raises(ValueError, match="max_tokens_per_micro_batch=10 cannot hold the longest row"):

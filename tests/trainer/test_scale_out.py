@@ -64,8 +64,8 @@ ENGINES = {
     "fsdp2_sharded": (["--config_file", str(CONFIGS / "fsdp.yaml"), "--fsdp_state_dict_type", "SHARDED_STATE_DICT"],
                       "FSDP", "dtensor"),
 }
-RUNS = ["matched", "matched_lora", "matched_trunk", "unpacked", "packed", "packed_budget", "warmup", "loaded",
-        "straight", "interrupted", "resumed"]
+RUNS = ["matched", "matched_lora", "matched_trunk", "unpacked", "packed", "packed_own_rows", "packed_budget", "warmup",
+        "loaded", "straight", "interrupted", "resumed"]
 # faults, after `interrupted` (whose checkpoints `damaged` copies); `killed_in_save` runs in a launch of its own, first
 FAULT_RUNS = ["preempted", "preempted_resumed", "damaged", "killed_resumed"]
 # the file of process 1 that `damaged` flips and then deletes (ddp_runs.engine_file; under the shipped fsdp.yaml,
@@ -86,8 +86,10 @@ PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526, "fsdp2_sh
 # - val/clipfrac_avg: trl_ext/core/losses.py builds V_clip = V_old + clamp(V − V_old, ±c), which differs from V by a
 #   rounding error inside the range, and counts V_clip's error > V's as clipped: float noise decides some tokens;
 # - perf/padding_fraction: each process pads its prompts to its own longest one, one process to the batch's longest;
+# - perf/update_token_imbalance: logged on 2 processes only, and lower where rows are dealt out by tokens;
 # - eps, perf/tokens_per_second: throughput.
-NOT_COMPARED = {"val/ratio_var", "val/clipfrac_avg", "perf/padding_fraction", *WALL_CLOCK_KEYS}
+NOT_COMPARED = {"val/ratio_var", "val/clipfrac_avg", "perf/padding_fraction", "perf/update_token_imbalance",
+                *WALL_CLOCK_KEYS}
 
 
 # One ZeRO-3 launch in about ten on CPU (CI, 2026-12-01, transformers 5.18) lost a process to SIGABRT with this C++
@@ -215,10 +217,11 @@ def test_two_processes_match_one_process_with_the_same_global_batch(launched, on
     _matched(results, one_process, run, tmp_path, engine)
 
 
-@pytest.mark.parametrize("run", ["packed", "packed_budget"])
+@pytest.mark.parametrize("run", ["packed", "packed_own_rows", "packed_budget"])
 def test_padding_free_on_two_processes_gives_the_padded_update(launched, run):
     """padding_free=True on 2 processes (critic warmup, then 2 PPO iterations of ragged answers): the weights and
-    every logged metric of the padded run; with a token budget, micro-batches of at most `PACKED_BUDGET` tokens,
+    every logged metric of the padded run, with each minibatch's rows dealt out again by tokens (balance_batch, the
+    default) or each process on its own rows; with a token budget, micro-batches of at most `PACKED_BUDGET` tokens,
     more of them than rows would make, as many on each process (their forwards meet in collectives)."""
     engine, results, _ = launched
     padded, packed = results["unpacked"], results[run]
@@ -232,10 +235,23 @@ def test_padding_free_on_two_processes_gives_the_padded_update(launched, run):
             assert a[key] == pytest.approx(b[key], rel=1e-4, abs=1e-5), f"{engine} step {step}: {key}"
     assert all(log["perf/padding_fraction"] > 0.1 for log in padded["logs"])  # there was padding to skip
     rows, tokens = padded["micro_tokens"], packed["micro_tokens"]
-    if run == "packed":
+    if run == "packed_own_rows":
         assert tokens == rows  # the same micro-batches, their real tokens only
+    elif run == "packed":  # the same number of micro-batches of as many rows; other rows in them
+        assert len(tokens) == len(rows) and tokens != rows
     else:
         assert max(tokens) <= ddp_runs.PACKED_BUDGET < max(rows) and len(tokens) > len(rows)
+
+
+def test_rows_dealt_out_by_tokens_even_the_processes_work(launched):
+    """balance_batch: the busiest process's update tokens over the mean (perf/update_token_imbalance) is at most what
+    the processes' own rows give, and lower at some step."""
+    engine, results, _ = launched
+    balanced = [log["perf/update_token_imbalance"] for log in results["packed"]["logs"]]
+    own = [log["perf/update_token_imbalance"] for log in results["packed_own_rows"]["logs"]]
+    assert all(b >= 1.0 for b in balanced) and len(balanced) == len(own)
+    assert all(b <= o + 1e-12 for b, o in zip(balanced, own)) and any(b < o for b, o in zip(balanced, own)), (
+        engine, balanced, own)
 
 
 @pytest.mark.parametrize("launched", ["ddp"], indirect=True)

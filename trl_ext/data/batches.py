@@ -67,3 +67,23 @@ def token_budget_groups(lengths: list[int], budget: int, groups: int | None = No
             half = len(out[k]) // 2
             out[k : k + 1] = [out[k][:half], out[k][half:]]
     return out
+
+
+def balanced_partition(lengths: list[int], parts: int) -> list[list[int]]:
+    """Rows into `parts` parts of equal row count whose token sums are as even as a greedy pass makes them: the
+    longest row first, each to the part with the fewest tokens that still has room (`len(lengths)` must divide by
+    `parts`). The consecutive split (the processes' own rows, for a minibatch gathered process after process) is kept
+    where its busiest part holds no more tokens than the greedy one's. Each part lists its rows in their original
+    order. Equal row counts keep a fixed micro-batch size giving the same number of micro-batches on every process."""
+    if len(lengths) % parts:
+        raise ValueError(f"{len(lengths)} rows do not split into {parts} parts of equal size")
+    size = len(lengths) // parts
+    dealt: list[list[int]] = [[] for _ in range(parts)]
+    tokens = [0] * parts
+    for i in sorted(range(len(lengths)), key=lambda i: (-lengths[i], i)):
+        k = min((k for k in range(parts) if len(dealt[k]) < size), key=lambda k: (tokens[k], k))
+        dealt[k].append(i)
+        tokens[k] += lengths[i]
+    consecutive = [list(range(k * size, (k + 1) * size)) for k in range(parts)]
+    busiest = lambda split: max(sum(lengths[i] for i in part) for part in split)  # noqa: E731
+    return consecutive if busiest(consecutive) <= busiest(dealt) else [sorted(part) for part in dealt]

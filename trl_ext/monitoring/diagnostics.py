@@ -178,6 +178,7 @@ class UpdateStats:
         self.micro_batch_ratios: list[torch.Tensor] = []  # per micro-batch: its mean ratio (for val/ratio_var)
         self.steps: dict[str, list[float]] = {}  # per optimizer step, e.g. "policy/grad_norm"
         self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient norm (the same everywhere)
+        self.step_tokens: list[torch.Tensor] = []  # per optimizer step: the real tokens this process ran for it
         # rollout_logprobs="sampler": per micro-batch of the first minibatch, (sampler, trainer) log-probs and mask
         self.sampler_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
 
@@ -220,6 +221,9 @@ def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gathe
         out[key] = gather(torch.tensor([sum(values) / len(values)], dtype=torch.float64,
                                        device=ratios.device)).mean().item()
     out["update/skipped_steps"] = float(u.skipped_steps)
+    tokens = gather(torch.stack(u.step_tokens).double()[None])  # (processes, optimizer steps)
+    if len(tokens) > 1:  # the busiest process's tokens over the mean, per step (the others wait for it there)
+        out["perf/update_token_imbalance"] = (tokens.max(0).values / tokens.mean(0).clamp(min=1)).mean().item()
     if u.sampler_rows:
         out.update(sampler_metrics(*(torch.cat(column) for column in zip(*u.sampler_rows)), gather=gather))
     return out

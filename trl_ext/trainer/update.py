@@ -18,6 +18,7 @@ run forward and backward with their own adapter active (one backward per role).
 from __future__ import annotations
 
 import math
+from dataclasses import fields
 
 import torch
 
@@ -29,6 +30,7 @@ from ..core import (
     token_logprobs,
     value_loss,
 )
+from ..data.batches import balanced_partition
 from ..models import LOGPROB_CHUNK, Packing, model_input_ids, sequence_inputs
 from ..monitoring.diagnostics import DUAL_CLIP_STATS, TOKEN_STATS, UpdateStats
 from .backend import Backend
@@ -123,6 +125,8 @@ class PPOUpdate:
         self.args, self.backend = args, backend
         self.micro_batch_losses = self._shared_losses if backend.shared is not None else self._losses
         self.guard = NonfiniteGuard(args, backend)
+        # balance_batch (None: on with padding_free): the minibatches' rows dealt out again by tokens
+        self.balance = backend.num_processes > 1 and args.padding_free and args.balance_batch is not False
 
     def __call__(self, rollout: Rollout, critic_only: bool = False, vf_coef: float = 1.0, step: int = 0) -> UpdateStats:
         """critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
@@ -132,16 +136,23 @@ class PPOUpdate:
         B, mini_size = args.local_batch_size, args.local_mini_batch_size
         # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
         loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
+        rows_of = gather_rollout(rollout, backend) if self.balance else rollout  # every process's rows, or its own
         for epoch in range(args.num_ppo_epochs):
             order = torch.randperm(B, device=rollout.queries.device)
             starts = range(0, B, mini_size)
             denominators = self._denominators(rollout, order, starts)
+            if self.balance:  # (processes, B): each process's order, as rows of the gathered rollout
+                offsets = B * torch.arange(backend.num_processes, device=backend.device)[:, None]
+                orders = backend.gather(order[None]) + offsets
             for k, mini_start in enumerate(starts):
                 minibatch = order[mini_start : mini_start + mini_size]
+                if self.balance:
+                    minibatch = self._balanced_share(rows_of, orders[:, mini_start : mini_start + mini_size])
                 nonfinite_losses = torch.zeros((), device=rollout.queries.device)  # this minibatch's, on device
-                micro_batches = self._micro_batches(rollout, minibatch)
+                micro_batches = self._micro_batches(rows_of, minibatch)
+                stats.step_tokens.append(rows_of.query_mask[minibatch].sum() + rows_of.response_mask[minibatch].sum())
                 for i, rows in enumerate(micro_batches):
-                    micro = rollout[rows]
+                    micro = rows_of[rows]
                     with self._accumulate(last=i == len(micro_batches) - 1):
                         inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
                         packing = Packing.of(inputs, micro.response_mask) if args.padding_free else None
@@ -156,6 +167,14 @@ class PPOUpdate:
                             backend.optimizer_step(critic_only, skip=skip)
                     self._record(stats, micro, pg_stats, vf_stats, entropy, epoch == 0 and mini_start == 0)
         return stats
+
+    def _balanced_share(self, rows_of: Rollout, minibatch: torch.Tensor) -> torch.Tensor:
+        """This process's rows of a minibatch (`minibatch`: (processes, n) rows of every process, indices into the
+        gathered rollout): as many rows as before, dealt out so each process gets about as many real tokens."""
+        rows = minibatch.flatten()
+        lengths = (rows_of.query_mask[rows].sum(1) + rows_of.response_mask[rows].sum(1)).tolist()
+        share = balanced_partition(lengths, self.backend.num_processes)[self.backend.accelerator.process_index]
+        return rows[share]
 
     def _micro_batches(self, rollout: Rollout, minibatch: torch.Tensor) -> list[torch.Tensor]:
         """The rows of each micro-batch: per_device_train_batch_size rows, or consecutive rows up to
@@ -256,3 +275,19 @@ class PPOUpdate:
             return inputs, micro.responses.shape[1] + 1, micro.trunk_hidden
         trunk_hidden = None if micro.trunk_hidden is None else packing.pack(micro.trunk_hidden)
         return packing.inputs, packing.keep, trunk_hidden
+
+
+def gather_rollout(rollout: Rollout, backend: Backend) -> Rollout:
+    """Every process's rollout rows on every process (balance_batch): process p's B rows at p·B, prompts (and the
+    critic's trunk output) left-padded to the longest process's width."""
+    def gathered(name: str, tensor: torch.Tensor | None) -> torch.Tensor | None:
+        if tensor is None:
+            return None
+        dtype = tensor.dtype
+        tensor = tensor.to(torch.uint8) if dtype == torch.bool else tensor  # gloo gathers no bool
+        if name in ("queries", "query_mask", "trunk_hidden"):  # (B, Q, ...): each process pads to its own Q
+            # (accelerate's padding adds pad_index to new zeros: a type promotion, undone here)
+            tensor = backend.accelerator.pad_across_processes(tensor, dim=1, pad_index=0, pad_first=True)
+        return backend.gather(tensor.to(torch.uint8 if dtype == torch.bool else dtype)).to(dtype)
+
+    return Rollout(**{f.name: gathered(f.name, getattr(rollout, f.name)) for f in fields(rollout)})
