@@ -307,7 +307,7 @@ class PPOConfig(PPOConfigBase):
     padding_free: bool = field(
         default=False,
         metadata={"help": "Run every forward and backward over the real tokens only (TRL's field name): each pass "
-                  "packs its rows (prompt + response, no padding) into sequences whose position ids restart at "
+                  "packs its rows (prompt + response, no padding) into one sequence whose position ids restart at "
                   "each row, for the policy (rollout and update), the reference, the critic and reward models in "
                   "TRL's layout. The same numbers as the padded layout, less compute where answers stop early "
                   "(perf/padding_fraction). Each model is checked once when the trainer is built "

@@ -193,17 +193,15 @@ def test_packed_passes_by_hand():
     base = dict(max_prompt_length=32, response_length=64)
     padded = forward_pass(PlanConfig(**base), rows=4)
     assert (padded.tokens, padded.logit_positions, padded.mask) == (4 * 96, 4 * 65, 96)
-    # 4 rows of 96 in sequences of at most 2 x 96: two full ones, each with its (192, 192) mask
     packed = forward_pass(PlanConfig(**base, padding_free=True), rows=4)
-    assert (packed.tokens, packed.logit_positions, packed.mask) == (384, 4 * 64, 192)
-    # 200 tokens, prompts of 1: 3 rows of 1 + 64 (192 response tokens) and a row of 5 (4 response tokens), in two
-    # sequences of 192 positions
+    assert (packed.tokens, packed.logit_positions, packed.mask) == (384, 4 * 64, 384)
+    # 200 tokens, prompts of 1: 3 rows of 1 + 64 (192 response tokens) and a row of 5 (4 response tokens)
     worst = forward_pass(PlanConfig(**base, padding_free=True, max_tokens_per_micro_batch=200), rows=8)
-    assert (worst.tokens, worst.logit_positions, worst.mask) == (384, 196, 192)
+    assert (worst.tokens, worst.logit_positions, worst.mask) == (200, 196, 200)
     # prompts of at least 32: 2 rows of 96 and 8 tokens that cannot hold a response
     long_prompts = forward_pass(PlanConfig(**base, padding_free=True, max_tokens_per_micro_batch=200,
                                            min_prompt_length=32), rows=8)
-    assert (long_prompts.tokens, long_prompts.logit_positions) == (384, 128)
+    assert (long_prompts.tokens, long_prompts.logit_positions) == (200, 128)
     # a budget above what the rows can hold: the rows at full length
     few = forward_pass(PlanConfig(**base, padding_free=True, max_tokens_per_micro_batch=1000), rows=2)
     assert (few.tokens, few.logit_positions) == (192, 128)

@@ -21,8 +21,6 @@ from trl_ext.models import (
     check_padding_free,
     freeze_backbone,
     lm_logits,
-    response_logprobs,
-    scalar_head_outputs,
     sequence_inputs,
 )
 from trl_ext.testing import tiny_4bit_causal_lm, tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
@@ -156,48 +154,6 @@ def test_packing_round_trips_by_hand():
     assert p.unpack(values).tolist() == [[0, 0, 1, 2, 3, 0], [4, 5, 6, 7, 8, 9]]
     assert p.responses(values[0, p.keep]).tolist() == [[1, 2, 0], [6, 7, 8]]
     assert p.last_tokens(values).tolist() == [3, 9]
-
-
-def _three_rows():
-    """Rows of 4, 6 and 3 real tokens: packed into sequences of at most 12 (twice the longest row), first fit,
-    longest first: rows 1 and 0 fill 10 of the first, row 2 opens a second; both are as long as the fuller (10)."""
-    queries = torch.tensor([[0, 7, 8], [5, 6, 9], [0, 0, 2]])
-    query_mask = queries != 0
-    responses = torch.tensor([[3, 1, 0], [4, 4, 1], [5, 1, 0]])
-    response_mask = torch.tensor([[True, True, False], [True, True, True], [True, True, False]])
-    return sequence_inputs(queries, query_mask, responses, response_mask), response_mask
-
-
-def test_rows_go_into_several_packed_sequences_by_hand():
-    """Each sequence's unused tail is a row of its own (id 0, positions from 0), never read back."""
-    inputs, response_mask = _three_rows()
-    p = Packing.of(inputs, response_mask)
-    assert p.inputs["input_ids"].tolist() == [[7, 8, 3, 1, 5, 6, 9, 4, 4, 1], [2, 5, 1] + [0] * 7]
-    assert p.inputs["position_ids"].tolist() == [[0, 1, 2, 3, 0, 1, 2, 3, 4, 5], [0, 1, 2, 0, 1, 2, 3, 4, 5, 6]]
-    assert p.keep.tolist() == [1, 2, 6, 7, 8, 10, 11] and p.targets.tolist() == [3, 1, 4, 4, 1, 5, 1]
-    values = torch.arange(20.0).view(2, 10)
-    assert p.unpack(values).tolist() == [[0, 0, 1, 2, 3, 0], [4, 5, 6, 7, 8, 9], [0, 0, 10, 11, 12, 0]]
-    assert p.pack(p.unpack(values)).tolist() == [list(range(10)), [10, 11, 12] + [0] * 7]
-    assert p.values(values).tolist() == [[1, 2, 0], [6, 7, 8], [10, 11, 0]]
-    assert p.last_tokens(values).tolist() == [3, 9, 12]
-
-
-def test_several_packed_sequences_give_the_padded_outputs():
-    """A model over the two packed sequences of `_three_rows` (tails included): the log-probs of the response tokens
-    and a value head's outputs of the padded rows; only the kept positions reach the output layer."""
-    tok = tiny_tokenizer()
-    policy, value = tiny_causal_lm(tok, seed=0), tiny_scalar_model(tok, seed=1)
-    inputs, response_mask = _three_rows()
-    p = Packing.of(inputs, response_mask)
-    assert p.inputs["input_ids"].shape[0] == 2
-    with torch.no_grad():
-        padded = response_logprobs(policy, inputs, inputs["input_ids"][:, -3:], 1.0) * response_mask
-        packed = response_logprobs(policy, inputs, None, 1.0, packing=p)
-        assert lm_logits(policy, p.inputs, p.keep).shape == (1, 7, policy.config.vocab_size)
-        torch.testing.assert_close(packed, padded, rtol=0, atol=1e-5)
-        real = inputs["attention_mask"].bool()
-        torch.testing.assert_close(p.unpack(scalar_head_outputs(value, p.inputs)) * real,
-                                   scalar_head_outputs(value, inputs) * real, rtol=0, atol=1e-5)
 
 
 def test_a_model_whose_attention_ignores_position_ids_is_refused_by_name(tmp_path):

@@ -3,7 +3,7 @@
     forward.py       forward passes with real attention masks; log-probs of the response tokens
     generation.py    sampling from the policy as is (`TokenSampler`), `generate_responses`
     vllm_sampler.py  the colocated vLLM engine as a sampler, with the weight sync
-    packing.py       padding-free forwards: a batch's real tokens as packed sequences (`Packing`), and back
+    packing.py       padding-free forwards: a batch's real tokens as one sequence (`Packing`), and back
     value.py         the critic: value heads, the policy+value wrapper, the value model's initialisation, its frozen
                      trunk (`FrozenTrunk`)
     shared_base.py   one base for every role (`build_shared_base`, `SharedBaseModels`)

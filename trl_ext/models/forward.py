@@ -10,7 +10,6 @@ from __future__ import annotations
 
 import functools
 import inspect
-from contextlib import contextmanager
 
 import torch
 import torch.nn as nn
@@ -49,29 +48,13 @@ def _forward_accepts_logits_to_keep(model_class: type) -> bool:  # inspect.signa
 
 
 def lm_logits(model: nn.Module, inputs: dict, logits_to_keep: int | torch.Tensor = 0) -> torch.Tensor:
-    """(B, L', V) logits: the last `logits_to_keep` positions where the model supports it (0: all L positions), or,
-    for an index tensor into the flattened (B·L) positions (packed sequences' `Packing.keep`), (1, R, V) logits of
-    those positions alone: the output layer gets only their hidden states (`_output_layer_reads`), on any model."""
-    if isinstance(logits_to_keep, torch.Tensor):
-        with _output_layer_reads(model, logits_to_keep):
-            return model(**inputs, use_cache=False).logits
-    if not logits_to_keep or not accepts_logits_to_keep(model):
-        return model(**inputs, use_cache=False).logits
+    """(B, L', V) logits: the last `logits_to_keep` positions where the model supports it (0: all L positions), or
+    the positions a 1-D index tensor names (a packed sequence's, `Packing.keep`: (1, R, V), on any model)."""
+    indexed = isinstance(logits_to_keep, torch.Tensor)
+    if not (indexed or logits_to_keep) or not accepts_logits_to_keep(model):
+        logits = model(**inputs, use_cache=False).logits
+        return logits[:, logits_to_keep] if indexed else logits
     return model(**inputs, use_cache=False, logits_to_keep=logits_to_keep).logits
-
-
-@contextmanager
-def _output_layer_reads(model: nn.Module, positions: torch.Tensor):
-    """Inside: the model's output layer (`get_output_embeddings`) computes its output for the hidden states at
-    `positions` of the flattened (B·L) positions only, as one (1, R, H) batch. transformers' `logits_to_keep` takes
-    one index list for every row; packed sequences keep different positions in each."""
-    head = _underlying(model).get_output_embeddings()
-    handle = head.register_forward_pre_hook(
-        lambda module, args: (args[0].reshape(-1, args[0].shape[-1])[positions][None], *args[1:]))
-    try:
-        yield
-    finally:
-        handle.remove()
 
 
 def position_ids_from_mask(attention_mask: torch.Tensor) -> torch.Tensor:

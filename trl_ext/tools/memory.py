@@ -240,8 +240,8 @@ class PlanConfig:
     fp32 copies of the (B, T, V) response logits)"""
     logits_chunk_size: int = 64
     padding_free: bool = False
-    """PPOConfig.padding_free: each scoring chunk and training micro-batch runs as packed sequences of its real
-    tokens (`forward_pass`; sdpa's block mask over each; flash_attention_2 builds none, so this overestimates it)"""
+    """PPOConfig.padding_free: each scoring chunk and training micro-batch runs as one packed sequence of its real
+    tokens (sdpa's (N, N) block mask over its N tokens; flash_attention_2 builds none, so this overestimates it)"""
     max_tokens_per_micro_batch: int | None = None
     """PPOConfig.max_tokens_per_micro_batch (needs padding_free): scoring chunks and micro-batches of at most this
     many real tokens; the estimate is for the worst packing (`packed_pass`)"""
@@ -648,9 +648,9 @@ class Pass:
 def forward_pass(plan: PlanConfig, rows: int) -> Pass:
     """One scoring chunk or training micro-batch of up to `rows` rows. Padded: `rows` rows of S = prompt + response
     tokens, logits of the T + 1 positions that predict response tokens (all S without chunked logits). Padding-free
-    (`plan.padding_free`): packed sequences of at most 2·S positions; with a token budget, the worst packing: as many
-    tokens as the budget allows (N), and as many of them response tokens as rows of `min_prompt_length` + T tokens
-    can make (R); without one, the `rows` rows at full length."""
+    (`plan.padding_free`): one packed sequence; with a token budget, the worst packing: as many tokens as the budget
+    allows (N), and as many of them response tokens as rows of `min_prompt_length` + T tokens can make (R); without
+    one, the `rows` rows at full length."""
     P, T = plan.max_prompt_length, plan.response_length
     S = P + T
     if not plan.padding_free:
@@ -658,10 +658,7 @@ def forward_pass(plan: PlanConfig, rows: int) -> Pass:
     N = rows * S if plan.max_tokens_per_micro_batch is None else min(plan.max_tokens_per_micro_batch, rows * S)
     full_rows, rest = divmod(N, plan.min_prompt_length + T)
     R = min(rows * T, full_rows * T + max(0, rest - plan.min_prompt_length))
-    # `models.Packing`: sequences of C = at most twice the longest row, counted as full as they can be (C · ⌈N / C⌉
-    # positions; first fit may leave each but the last up to half empty, which is not counted)
-    C = min(2 * S, N)
-    return Pass(C * -(-N // C), R, C, f"{N} packed tokens")
+    return Pass(N, R, N, f"{N} packed tokens")
 
 
 def _rollout_phases(shape: ModelShape, plan: PlanConfig, z: _Sizes) -> list[Phase]:

@@ -137,7 +137,7 @@ class RolloutPhase:
 
     def _score(self, queries, query_mask, responses, response_mask, sampler_logprobs, extra_columns,
                trainer_state) -> _Scored:
-        """Steps 3-5 in chunks of rows (`_chunks`); padding-free, each chunk's real tokens run as packed sequences."""
+        """Steps 3-5 in chunks of rows (`_chunks`); padding-free, each chunk's real tokens run as one sequence."""
         args, accelerator, model = self.args, self.backend.accelerator, self.backend.model
         policy = self.backend.unwrap().policy
         trunk = getattr(self.backend.unwrap(), "trunk", None)  # the critic's frozen trunk, its output kept
