@@ -221,7 +221,7 @@ def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gathe
         out[key] = gather(torch.tensor([sum(values) / len(values)], dtype=torch.float64,
                                        device=ratios.device)).mean().item()
     out["update/skipped_steps"] = float(u.skipped_steps)
-    tokens = gather(torch.stack(u.step_tokens).double()[None])  # (processes, optimizer steps)
+    tokens = gather(torch.stack(u.step_tokens).double()[None]) if u.step_tokens else []  # (processes, steps)
     if len(tokens) > 1:  # the busiest process's tokens over the mean, per step (the others wait for it there)
         out["perf/update_token_imbalance"] = (tokens.max(0).values / tokens.mean(0).clamp(min=1)).mean().item()
     if u.sampler_rows:
