@@ -95,6 +95,8 @@ RECIPE_DEFAULTS = dict(
     per_device_eval_batch_size=32,  # the 16 held-out prompts x eval_repeats in one batch: generation is cheap per row
     rollout_logprobs="sampler",  # π_old from the sampler (fp32: 1e-5 from the trainer's), no second policy pass;
     # with --bf16 true pass --rollout_logprobs trainer (a bf16 sampler is ~0.04 nats per token off the trainer)
+    # padding_free stays off: its chat-template prompts leave 11-28 % padding, less than sdpa's block mask over 16
+    # packed rows costs on CPU (1.05x the padded time, docs/results.md); --padding_free true gives the same run
     **LORA_DEFAULTS,
 )
 

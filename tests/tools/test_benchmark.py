@@ -221,6 +221,26 @@ def test_padding_free_benchmark_cuts_answers_the_same_way_for_every_trainer():
     assert mask.tolist() == [[True, False, False, False], [True, True, True, False]]
 
 
+def test_packed_pass_benchmark_builds_its_two_shapes():
+    """benchmarks/packed_pass.py's rows: left-padded prompts (chat-templated ones longer), answers cut in [T/4, T],
+    so both shapes have padding for the packed pass to skip."""
+    sys.path.insert(0, str(ROOT / "benchmarks"))
+    import bench_vs_trl
+    import packed_pass
+
+    tok = bench_vs_trl._smollm2_tokenizer()
+    dataset = bench_vs_trl._opinion_dataset(tok, 64)
+    widths = {}
+    for name, (batch, T, chat) in packed_pass.SHAPES.items():
+        inputs, responses, mask = packed_pass.rows(tok, dataset, batch, T, chat)
+        lengths = mask.sum(1)
+        assert inputs["input_ids"].shape[0] == batch and responses.shape == (batch, T)
+        assert lengths.min() >= T // 4 and lengths.max() <= T and lengths.min() < lengths.max()
+        assert 0.5 < inputs["attention_mask"].float().mean() < 0.95
+        widths[name] = inputs["input_ids"].shape[1] - T
+    assert widths["chat"] > 2 * widths["plain"]
+
+
 @pytest.mark.slow
 def test_padding_free_benchmark_runs_its_trainers(tmp_path):
     """End to end on the tiny model, one measured iteration: a row per trainer (TRL's says it needs trl 1.12 where
@@ -229,12 +249,12 @@ def test_padding_free_benchmark_runs_its_trainers(tmp_path):
     import subprocess
 
     proc = subprocess.run([sys.executable, str(ROOT / "benchmarks" / "padding_free.py"), "--model", "tiny",
-                           "--response_length", "32", "--batch_size", "4", "--iterations", "1", "--out",
-                           str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
+                           "--response_length", "32", "--batch_size", "4", "--iterations", "1", "--repeats", "2",
+                           "--out", str(tmp_path)], capture_output=True, text=True, timeout=600, cwd=ROOT)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = json.loads((tmp_path / "results.json").read_text())["rows"]
     for name in ("trl_ext", "trl_ext_padding_free"):
-        assert rows[name]["summary"]["seconds_per_iteration"] > 0
+        assert rows[name]["summary"]["seconds_per_iteration"] > 0 and len(rows[name]["runs"]) == 2
     trl = importlib.util.find_spec("trl.experimental.ppo") is not None
     assert (rows["trl"] is not None) == trl
     table = (tmp_path / "results.md").read_text()
