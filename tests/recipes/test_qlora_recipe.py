@@ -184,7 +184,7 @@ def readme_rows() -> dict[str, str]:
 def test_readme_table_states_each_configs_values_and_the_planners_estimate():
     """recipes/qlora_7b/README.md: batch sizes and lengths equal the YAML's, peak / needed equal the planner's.
     When the planner changes, the failure message holds the rows to paste."""
-    text = (REPO / "recipes" / "qlora_7b" / "README.md").read_text()
+    text = (REPO / "recipes" / "qlora_7b" / "README.md").read_text().split("**The longest response")[0]
     header = re.search(r"^\| config \|.*$", text, re.M)[0]
     assert tuple(c.strip() for c in header.strip("|").split("|"))[-4:] == README_PRESETS
     stated = {name: line for line, name in re.findall(r"^(\| `(\w+)\.yaml` \|.*)$", text, re.M)}
@@ -193,6 +193,21 @@ def test_readme_table_states_each_configs_values_and_the_planners_estimate():
     for name in expected:  # and every config fits its GPU for every preset
         plan = PlanConfig.from_file(str(REPO / "recipes" / "qlora_7b" / f"{name}.yaml"))
         assert all(estimate_memory(PRESETS[p], plan).fits(int(name.split("_")[1][:-2])) for p in README_PRESETS)
+
+
+def test_readme_states_the_longest_response_each_config_fits():
+    """recipes/qlora_7b/README.md's second table: the planner's largest_response_length on the config's GPU."""
+    from trl_ext.tools.memory import largest_response_length
+
+    text = (REPO / "recipes" / "qlora_7b" / "README.md").read_text().split("**The longest response")[1]
+    stated = {name: line for line, name in re.findall(r"^(\| `(\w+)\.yaml` \|.*)$", text, re.M)}
+    expected = {}
+    for config in CONFIGS:
+        plan, gib = PlanConfig.from_file(str(config)), int(config.stem.split("_")[1][:-2])
+        cells = [f"`{config.name}`", f"{gib} GB"] + [str(largest_response_length(PRESETS[p], plan, gib))
+                                                     for p in README_PRESETS]
+        expected[config.stem] = "| " + " | ".join(cells) + " |"
+    assert stated == expected, "rows to paste into recipes/qlora_7b/README.md:\n" + "\n".join(expected.values())
 
 
 # ------------------------------------------------------------------------------------------- the memory plan
