@@ -4,9 +4,10 @@
 
 What `padding_free=True` changes in every scoring pass and update micro-batch, without generation or the optimizer:
 the log-probs of the response tokens (the trainer's `response_logprobs`: logits of the positions that predict response
-tokens only, fp32 log-softmax in chunks) and their backward, once over the padded (B, Q + T) rows and once over the
-rows packed into one sequence (`trl_ext.models.Packing`). The two are run in turn, 5 times each after a warm-up,
-and the medians compared, so a slow spell of a shared machine hits both. Shapes:
+tokens only, fp32 log-softmax in chunks) and their backward, over the padded (B, Q + T) rows, over the rows packed
+into one sequence (`trl_ext.models.Packing`), and over consecutive rows of at most `BUDGET` tokens packed pass by pass
+(what `max_tokens_per_micro_batch` does: shorter sequences, more passes). They are run in turn, 5 times each after a
+warm-up, and the medians compared, so a slow spell of a shared machine hits all. Shapes:
 
 - `plain`: 8 of the shipped opinion prompts as plain text (9-15 tokens), answers cut at lengths uniform in
   [T/4, T], T = 64 (the ragged benchmark's shape, `benchmarks/padding_free.py`);
@@ -26,6 +27,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 import bench_vs_trl as bench  # noqa: E402
 
 SHAPES = {"plain": (8, 64, False), "chat": (16, 32, True)}
+BUDGET = 256  # the third way: rows in passes of at most this many real tokens (max_tokens_per_micro_batch)
 
 
 def rows(tok, dataset, batch: int, T: int, chat: bool):
@@ -55,6 +57,7 @@ def main() -> None:
     import torch
     from transformers import AutoModelForCausalLM
 
+    from trl_ext.data.batches import token_budget_groups
     from trl_ext.embedded import smollm2_path
     from trl_ext.models import Packing, response_logprobs
 
@@ -65,12 +68,19 @@ def main() -> None:
     for name, (batch, T, chat) in SHAPES.items():
         inputs, responses, mask = rows(tok, dataset, batch, T, chat)
         packing = Packing.of(inputs, mask)
-        runs = {"padded": None, "padding-free": packing}
+        lengths = inputs["attention_mask"].sum(1).tolist()
+        groups = token_budget_groups(lengths, BUDGET)  # consecutive rows of at most BUDGET tokens, one pass each
+        split = [(slice(g[0], g[-1] + 1), Packing.of({k: v[g[0] : g[-1] + 1] for k, v in inputs.items()},
+                                                     mask[g[0] : g[-1] + 1])) for g in groups]
+        runs = {"padded": [(slice(None), None)], "padding-free": [(slice(None), packing)],
+                f"padding-free, at most {BUDGET} tokens a pass": split}
         times = {k: [] for k in runs}
         for repeat in range(6):  # the first a warm-up
-            for k, pack in runs.items():
+            for k, passes in runs.items():
                 start = time.perf_counter()
-                (response_logprobs(model, inputs, responses, 1.0, pack) * mask).sum().backward()
+                for rows_, pack in passes:
+                    part = {name: v[rows_] for name, v in inputs.items()}
+                    (response_logprobs(model, part, responses[rows_], 1.0, pack) * mask[rows_]).sum().backward()
                 if repeat:
                     times[k].append(time.perf_counter() - start)
         padded = statistics.median(times["padded"])
