@@ -244,7 +244,7 @@ class PlanConfig:
     tokens (sdpa's (N, N) block mask over its N tokens; flash_attention_2 builds none, so this overestimates it)"""
     max_tokens_per_micro_batch: int | None = None
     """PPOConfig.max_tokens_per_micro_batch (needs padding_free): scoring chunks and micro-batches of at most this
-    many real tokens; the estimate is for the worst packing (`packed_pass`)"""
+    many real tokens; the estimate is for the worst packing (`forward_pass`)"""
     min_prompt_length: int = 1
     """the shortest prompt (tokens): a token budget's worst packing is of rows this short with full responses, the
     most response positions (logits) a budget can hold"""
