@@ -281,6 +281,8 @@ def test_cli_plans_a_token_budget(capsys):
     assert re.search(r"longest response that fits, the rest as planned: 24 GB: \d+ tokens", out)
     assert main(["estimate-memory", _recipe("shared_16gb"), "--max_tokens_per_micro_batch", "100"]) == 2
     assert "cannot hold the longest row" in capsys.readouterr().err
+    assert main(["estimate-memory", _recipe("shared_16gb"), "--max_tokens_per_micro_batch", "0"]) == 2
+    assert "max_tokens_per_micro_batch=0 must be a positive int" in capsys.readouterr().err
 
 
 # ------------------------------------------------------------------------------------------- recipes

@@ -63,9 +63,10 @@ def _estimate_memory(args) -> int:
     try:
         plan = PlanConfig.from_file(args.config)
         if args.padding_free or args.max_tokens_per_micro_batch is not None:
+            budget = args.max_tokens_per_micro_batch
             plan = PlanConfig.from_dict({**dataclasses.asdict(plan), "padding_free": True,
-                                         "max_tokens_per_micro_batch": args.max_tokens_per_micro_batch
-                                         or plan.max_tokens_per_micro_batch})
+                                         "max_tokens_per_micro_batch": plan.max_tokens_per_micro_batch
+                                         if budget is None else budget})
         if args.all_presets:
             print(presets_summary(plan))
             return 0
