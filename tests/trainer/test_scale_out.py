@@ -386,3 +386,41 @@ def test_sigkill_inside_a_save_leaves_the_previous_checkpoint_and_the_resume_is_
     own = ENGINE_FILES[engine]  # the engine's own files, of both processes
     assert {own, own.replace("1", "0", 1)} <= {os.path.basename(name) for name in partial}, sorted(partial)
     _as_straight(killed, results["straight"], engine)
+
+
+# Two machines, as a cluster launches them: one `accelerate launch` per machine rank, each starting one process, the
+# ranks meeting at --main_process_ip (127.0.0.1 here, over gloo). What a SLURM script runs on each node
+# (docs/scale-out.md).
+MULTI_NODE = {"ddp": (["--multi_gpu"], 29541), "zero2": (["--config_file", str(CONFIGS / "deepspeed_zero2.yaml"),
+                                                         "--deepspeed_multinode_launcher", "standard"], 29542)}
+
+
+@pytest.fixture(scope="module", params=list(MULTI_NODE))
+def two_machines(request, tmp_path_factory):
+    engine = request.param
+    out = tmp_path_factory.mktemp(f"machines-{engine}")
+    env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
+           "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
+    if engine == "ddp":
+        env["ACCELERATE_USE_CPU"] = "true"
+    flags, port = MULTI_NODE[engine]
+    runs = ["matched", "matched_lora"]
+    procs = [subprocess.Popen(
+        [sys.executable, "-m", "accelerate.commands.launch", *flags, "--num_machines", "2", "--machine_rank",
+         str(rank), "--num_processes", "2", "--main_process_ip", "127.0.0.1", "--main_process_port", str(port),
+         "--mixed_precision", "no", "--dynamo_backend", "no", str(ROOT / "tests" / "scripts" / "ddp_runs.py"),
+         "--out", str(out), "--runs", ",".join(runs)],
+        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for rank in (0, 1)]
+    outputs = [proc.communicate(timeout=900) for proc in procs]
+    for rank, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
+        assert proc.returncode == 0, f"machine rank {rank}: {stderr[-4000:]}"
+    assert "RUNS DONE" in outputs[0][0]
+    return engine, {name: torch.load(out / f"{name}.pt") for name in runs}
+
+
+@pytest.mark.parametrize("run", ["matched", "matched_lora"])
+def test_two_machine_ranks_match_one_process(two_machines, one_process, run, tmp_path):
+    engine, results = two_machines
+    assert results[run]["world_size"] == 2
+    assert results[run]["engine"] == ("DEEPSPEED" if engine == "zero2" else "MULTI_CPU")
+    _matched(results, one_process, run, tmp_path, f"{engine} on 2 machine ranks")
