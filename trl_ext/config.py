@@ -12,6 +12,7 @@ Differences from TRL 1.12 (each one a reported defect):
 
 import json
 import math
+import re
 import warnings
 from dataclasses import dataclass, field
 
@@ -229,8 +230,35 @@ class PPOConfig(PPOConfigBase):
     )
     vllm_mode: str = field(
         default="colocate",
-        metadata={"help": "'colocate' (the engine in the training process; TRL's name). TRL's 'server' mode is not "
-                  "supported."},
+        metadata={"help": "'colocate' (the engine in the training process) or 'server' (a vLLM server of its own: "
+                  "`vllm serve` / `trl vllm-serve`, on other GPUs or nodes; trl_ext/models/vllm_server.py). TRL's "
+                  "names and values."},
+    )
+    vllm_server_base_url: str | None = field(
+        default=None,
+        metadata={"help": "Server mode: the server's URL, e.g. 'http://10.0.0.5:8000'; several servers "
+                  "comma-separated (the rows are split among them). Set, it overrides vllm_server_host and _port."},
+    )
+    vllm_server_host: str = field(
+        default="0.0.0.0", metadata={"help": "Server mode: the server's host, when vllm_server_base_url is None."},
+    )
+    vllm_server_port: int = field(
+        default=8000, metadata={"help": "Server mode: the server's port, when vllm_server_base_url is None."},
+    )
+    vllm_server_timeout: float = field(
+        default=240.0,
+        metadata={"help": "Server mode: seconds a request keeps retrying a server that is down, starting or "
+                  "restarting, before the run stops with an error naming the server."},
+    )
+    vllm_group_port: int = field(
+        default=51216,
+        metadata={"help": "Server mode, full weights: the port of TRL's NCCL weight-transfer group (TRL's name)."},
+    )
+    vllm_server_sync_dir: str | None = field(
+        default=None,
+        metadata={"help": "Server mode, LoRA: the folder each new adapter version is saved to for the server to load "
+                  "(`/v1/load_lora_adapter`); it must be a path the server reads (a shared filesystem across "
+                  "nodes). None: <output_dir>/vllm_adapters."},
     )
     vllm_gpu_memory_utilization: float = field(
         default=0.3, metadata={"help": "Share of the GPU's memory vLLM reserves (weights and KV cache), on GPUs."},
@@ -466,8 +494,16 @@ class PPOConfig(PPOConfigBase):
 
     def _check_vllm(self) -> None:
         """use_vllm's settings and the sampler correction."""
-        _check(self.vllm_mode == "colocate",
-               f"vllm_mode={self.vllm_mode!r}: trl_ext runs vLLM colocated with the trainer only; use 'colocate'.")
+        _check(self.vllm_mode in ("colocate", "server"),
+               f"vllm_mode={self.vllm_mode!r} is not 'colocate' (the engine in the training process) or 'server' "
+               "(a vLLM server at vllm_server_base_url).")
+        _check(self.vllm_server_timeout > 0, f"vllm_server_timeout={self.vllm_server_timeout} must be > 0 seconds "
+               "(TRL: 240).")
+        if self.vllm_server_base_url is not None:
+            for url in self.vllm_server_base_url.split(","):
+                _check(re.fullmatch(r"https?://[^/\s]+(/\S*)?", url.strip()) is not None,
+                       f"vllm_server_base_url={self.vllm_server_base_url!r}: {url.strip()!r} is not a URL like "
+                       "'http://10.0.0.5:8000' (several: comma-separated).")
         _check(0 < self.vllm_gpu_memory_utilization <= 1,
                f"vllm_gpu_memory_utilization={self.vllm_gpu_memory_utilization} must be in (0, 1] (TRL: 0.3).")
         _check(self.vllm_kv_cache_gb > 0, f"vllm_kv_cache_gb={self.vllm_kv_cache_gb} must be > 0 GiB.")

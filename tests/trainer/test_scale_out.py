@@ -412,7 +412,7 @@ def two_machines(request, tmp_path_factory):
          "--out", str(out), "--runs", ",".join(runs)],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=ROOT) for rank in (0, 1)]
     outputs = [proc.communicate(timeout=900) for proc in procs]
-    for rank, (proc, (stdout, stderr)) in enumerate(zip(procs, outputs)):
+    for rank, (proc, (_, stderr)) in enumerate(zip(procs, outputs)):
         assert proc.returncode == 0, f"machine rank {rank}: {stderr[-4000:]}"
     assert "RUNS DONE" in outputs[0][0]
     return engine, {name: torch.load(out / f"{name}.pt") for name in runs}

@@ -22,7 +22,10 @@ def test_the_sampler_correction_follows_use_vllm_unless_set(tmp_path):
 
 
 @pytest.mark.parametrize("field, value, match", [
-    ("vllm_mode", "server", "colocated with the trainer only"),
+    ("vllm_mode", "remote", "is not 'colocate' .* or 'server'"),
+    ("vllm_server_timeout", 0, "must be > 0 seconds"),
+    ("vllm_server_base_url", "10.0.0.5:8000", "is not a URL like 'http://10.0.0.5:8000'"),
+    ("vllm_server_base_url", "http://a:8000,b:8000", "'b:8000' is not a URL"),
     ("vllm_gpu_memory_utilization", 1.5, "must be in \\(0, 1\\]"),
     ("vllm_kv_cache_gb", 0, "must be > 0 GiB"),
     ("vllm_tensor_parallel_size", 0, "must be >= 1"),
@@ -58,3 +61,27 @@ def test_sleep_mode_on_cpu_is_refused_before_any_engine_starts(tmp_path):
                    processing_class=tok, model=tiny_causal_lm(tok), ref_model=None,
                    reward_model=tiny_scalar_model(tok), train_dataset=tiny_prompt_dataset(tok, 2),
                    value_model=tiny_scalar_model(tok))
+
+
+def test_server_mode_reads_trls_fields_and_refuses_what_it_cannot_sync(tmp_path):
+    """vllm_mode='server' with TRL's field names: the URL list, or host:port. A full policy on CPU, whose weights only
+    go over NCCL, is refused before any request (the server itself: tests_vllm/test_vllm_server.py)."""
+    from trl_ext.models.vllm_server import server_urls
+
+    args = PPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server",
+                     vllm_server_base_url="http://10.0.0.5:8000, http://10.0.0.6:8000/")
+    assert server_urls(args) == ["http://10.0.0.5:8000", "http://10.0.0.6:8000/"]
+    assert server_urls(PPOConfig(output_dir=str(tmp_path), vllm_server_host="node7",
+                                 vllm_server_port=8001)) == ["http://node7:8001"]
+    defaults = PPOConfig(output_dir=str(tmp_path))
+    assert (defaults.vllm_server_host, defaults.vllm_server_port, defaults.vllm_server_timeout,
+            defaults.vllm_group_port) == ("0.0.0.0", 8000, 240.0, 51216)  # TRL's GRPOConfig defaults
+    tok = tiny_tokenizer()
+    build = lambda: PPOTrainer(  # noqa: E731
+        args=PPOConfig(output_dir=str(tmp_path), use_vllm=True, vllm_mode="server", per_device_train_batch_size=2,
+                       total_episodes=2, report_to=[], save_strategy="no", bf16=False, disable_tqdm=True),
+        processing_class=tok, model=tiny_causal_lm(tok), ref_model=None, reward_model=tiny_scalar_model(tok),
+        train_dataset=tiny_prompt_dataset(tok, 2), value_model=tiny_scalar_model(tok))
+    with pytest.raises(ValueError, match="full \\(non-LoRA\\) policy sends its weights over NCCL .* needs a CUDA "
+                                         "device; this trainer runs on cpu. Train a LoRA policy"):
+        build()

@@ -38,6 +38,7 @@ from ..data.batches import PromptBatches
 from ..data.prompts import LeftPaddingCollator, prepare_prompts
 from ..models import (
     CHECKPOINTING_KWARGS,
+    POLICY,
     FrozenTrunk,
     PolicyAndValueWrapper,
     Sampling,
@@ -86,7 +87,7 @@ from .checkpoint import (
 from .evaluation import Evaluator, dataset_columns
 from .preemption import Preemption
 from .rollout import Rollout, RolloutPhase
-from .sampling import ResponseSampler, colocated_vllm
+from .sampling import ResponseSampler, colocated_vllm, server_vllm
 from .seeds import process_seed
 from .update import PPOUpdate, vf_coef_at
 
@@ -508,7 +509,12 @@ class PPOTrainer(PPOTrainerBase):
             self.trunk_from_reference = layer
 
     def _setup_vllm(self):
-        """The colocated vLLM engine of `use_vllm` (trl_ext/trainer/sampling.py)."""
+        """The colocated vLLM engine of `use_vllm`, or the vLLM servers of vllm_mode='server'
+        (trl_ext/trainer/sampling.py)."""
+        if self.args.vllm_mode == "server":
+            adapter = POLICY if self.shared is not None else self.model_adapter_name
+            return server_vllm(self.args, self.unwrapped.policy, self.processing_class, self.sampling,
+                               self.accelerator.device, self.backend.params_sharded, self.accelerator, adapter)
         whole_policy = self.shared is None and not self.backend.params_sharded
         return colocated_vllm(self.args, self.unwrapped.policy, self.processing_class, self.sampling,
                               self.accelerator.device, whole_policy, self.local_seed, self.accelerator.num_processes)

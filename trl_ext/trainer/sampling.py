@@ -86,6 +86,22 @@ class ResponseSampler:
             yield
 
 
+def server_vllm(args, policy, tokenizer, sampling: Sampling, device: torch.device, sharded: bool, accelerator,
+                adapter_name: str | None = None):
+    """The vLLM servers of `vllm_mode="server"` (trl_ext/models/vllm_server.py), after checking they can serve."""
+    import os
+
+    from ..models.vllm_server import VLLMServerSampler, server_urls
+
+    if sharded:
+        raise ValueError("vllm_mode='server' sends the weights of a policy each process holds whole: ZeRO-3 and FSDP "
+                         "shard them. Use ZeRO-2 or DDP with the server, or vllm_mode='colocate'.")
+    sync_dir = args.vllm_server_sync_dir or os.path.join(args.output_dir, "vllm_adapters")
+    return VLLMServerSampler(policy, sampling, tokenizer.pad_token_id, urls=server_urls(args),
+                             timeout=args.vllm_server_timeout, sync_dir=sync_dir, group_port=args.vllm_group_port,
+                             device=device, accelerator=accelerator, adapter_name=adapter_name)
+
+
 def colocated_vllm(args, policy, tokenizer, sampling: Sampling, device: torch.device, whole_policy: bool, seed: int,
                    num_processes: int = 1):
     """The colocated vLLM engine of `use_vllm` (trl_ext/models/vllm_sampler.py), after checking it can run here."""
