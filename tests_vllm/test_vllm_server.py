@@ -3,6 +3,8 @@ user starts it (trl_ext.testing.vllm_server_command; docs/scale-out.md), a LoRA 
 Nothing is mocked: the trainer talks HTTP to the server, which samples with the adapters it loaded."""
 
 import math
+import os
+import signal
 import socket
 import subprocess
 import urllib.request
@@ -43,7 +45,7 @@ class Server:
     """A vLLM server process serving the tiny base; `restart()` kills it and starts it again (its adapters gone)."""
 
     def __init__(self, model_dir: str, log_dir):
-        self.port = free_port()
+        self.model_dir, self.port = model_dir, free_port()
         self.url = f"http://127.0.0.1:{self.port}"
         self.command, self.env = vllm_server_command(model_dir, self.port)
         self.log_dir, self.starts = log_dir, 0
@@ -52,12 +54,14 @@ class Server:
     def start(self, wait: bool = True):
         self.starts += 1
         log = open(self.log_dir / f"server-{self.starts}.log", "w")
-        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env)
+        # a session of its own: kill() ends the engine's processes with it
+        self.process = subprocess.Popen(self.command, stdout=log, stderr=subprocess.STDOUT, env=self.env,
+                                        start_new_session=True)
         if wait:
             wait_for_server(self.url, self.process)
 
     def kill(self):
-        self.process.kill()
+        os.killpg(self.process.pid, signal.SIGKILL)  # the API server and its engine core, as a crashed node would
         self.process.wait()
 
     def adapters(self) -> list[str]:
@@ -176,3 +180,66 @@ def test_a_server_down_stops_the_run_by_name_and_a_restarted_one_is_resumed(serv
                     vllm_server_base_url=server.url)
     assert len(logs) == 4 and t.vllm.syncs == 4
     assert max(log["rollout/sampler_logprob_diff_max"] for log in logs) < 1e-4
+
+
+def test_two_processes_sample_their_rows_on_one_server_and_the_main_one_syncs(server, tmp_path):
+    """DDP, 2 processes, one server: both use the adapter version the main process loaded (one load per sync, one
+    run tag), each samples its own rows there, and every step's log-probs are each process's trainer's."""
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "server_ddp.py"
+    env = {**os.environ, "ACCELERATE_USE_CPU": "true", "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false"}
+    proc = subprocess.run([sys.executable, "-m", "accelerate.commands.launch", "--multi_gpu", "--num_processes", "2",
+                           "--num_machines", "1", "--mixed_precision", "no", "--dynamo_backend", "no",
+                           "--main_process_port", str(free_port()), str(script), server.url, str(tmp_path)],
+                          capture_output=True, text=True, env=env, timeout=900)
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    main, other = (torch.load(tmp_path / f"rank{i}.pt") for i in (0, 1))
+    assert main["world_size"] == other["world_size"] == 2
+    assert main["tag"] == other["tag"] and main["adapter"] == other["adapter"]
+    assert main["syncs"] == other["syncs"] == 3
+    assert len(main["loads"]) == 3 and other["loads"] == [] and main["resyncs"] == other["resyncs"] == 0
+    for result in (main, other):
+        assert len(result["logs"]) == 3
+        assert max(log["rollout/sampler_logprob_diff_max"] for log in result["logs"]) < 1e-4
+
+
+def test_a_shared_4bit_base_sends_its_policy_adapter_alone(server, tmp_path):
+    """QLoRA without merging: the policy and the critic are adapters of one nf4 base in the trainer; the server serves
+    the base in fp32 and gets the policy's adapter alone (its rank, not the critic's). What the server samples is
+    exactly that fp32 base with that adapter (1e-4); against the trainer's nf4 policy it differs by the quantization,
+    which the sampler correction weights."""
+    import json
+
+    from peft import PeftModel
+    from transformers import AutoModelForCausalLM
+
+    from trl_ext.models import build_shared_base
+    from trl_ext.testing import quantized_4bit
+
+    tok = tiny_tokenizer()
+    torch.manual_seed(0)
+    lora = dict(lora_alpha=8, lora_dropout=0.0, target_modules="all-linear")
+    shared = build_shared_base(quantized_4bit(AutoModelForCausalLM, server.model_dir),
+                               policy_lora=LoraConfig(r=4, **lora), critic_lora=LoraConfig(r=2, **lora))
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, total_episodes=8 * 3,
+                     learning_rate=3e-2, num_ppo_epochs=2, response_length=4, logging_steps=1, report_to=[],
+                     save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True, seed=0,
+                     use_vllm=True, vllm_mode="server", vllm_server_base_url=server.url, stop_token="none")
+    t = PPOTrainer(args=args, processing_class=tok, model=shared, ref_model=None, reward_model=reward,
+                   train_dataset=tiny_prompt_dataset(tok, 16), value_model=None)
+    t.train()
+    logs = [h for h in t.state.log_history if "objective/scores" in h]
+    assert len(logs) == 3 and t.vllm.syncs == 3 and t.vllm.resyncs == 0
+    with open(f"{t.vllm.adapter_path}/adapter_config.json") as f:
+        assert json.load(f)["r"] == 4  # the policy's adapter, not the critic's
+    gap = max(log["rollout/sampler_logprob_diff_max"] for log in logs)
+    assert 1e-4 < gap < 1.0, gap  # nf4 in the trainer, fp32 on the server
+
+    fp32 = PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(server.model_dir), t.vllm.adapter_path)
+    queries = torch.tensor([[tok.pad_token_id, 5, 6, 7], [8, 9, 10, 11]])
+    query_mask = queries != tok.pad_token_id
+    responses, logprobs = t.vllm.generate(queries, query_mask, seeds=[1, 2])
+    expected = trainer_logprobs(fp32.eval(), queries, query_mask, responses, args.temperature)
+    assert (expected - logprobs).abs().max().item() < 1e-4
