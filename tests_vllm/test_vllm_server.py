@@ -17,6 +17,7 @@ from transformers import TrainerCallback
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.models import Sampling, response_logprobs, sequence_inputs
 from trl_ext.models.vllm_server import ServerUnavailable, VLLMServerSampler
+from trl_ext.monitoring.diagnostics import WALL_CLOCK_KEYS
 from trl_ext.testing import (
     tiny_causal_lm,
     tiny_prompt_dataset,
@@ -63,6 +64,11 @@ class Server:
     def kill(self):
         os.killpg(self.process.pid, signal.SIGKILL)  # the API server and its engine core, as a crashed node would
         self.process.wait()
+
+    def completions(self) -> int:
+        """Completion requests this server answered so far (its access log)."""
+        log = (self.log_dir / f"server-{self.starts}.log").read_text()
+        return log.count('"POST /v1/completions HTTP/1.1" 200')
 
     def adapters(self) -> list[str]:
         with urllib.request.urlopen(self.url + "/v1/models") as response:
@@ -243,3 +249,70 @@ def test_a_shared_4bit_base_sends_its_policy_adapter_alone(server, tmp_path):
     responses, logprobs = t.vllm.generate(queries, query_mask, seeds=[1, 2])
     expected = trainer_logprobs(fp32.eval(), queries, query_mask, responses, args.temperature)
     assert (expected - logprobs).abs().max().item() < 1e-4
+
+
+def test_two_servers_split_the_rows_and_each_gets_every_version(server, tmp_path):
+    """vllm_server_base_url with two servers: each loads every adapter version, the rows are split between them (the
+    first half to the first), and the log-probs are the trainer's whichever server sampled."""
+    second = Server(server.model_dir, tmp_path)
+    try:
+        tok = tiny_tokenizer()
+        policy = get_peft_model(tiny_causal_lm(tok, seed=0, **SIZE).eval(),
+                                LoraConfig(**LORA, init_lora_weights=False))
+        sampler = VLLMServerSampler(policy, Sampling(6, 0.7, None), tok.pad_token_id, urls=[server.url, second.url],
+                                    timeout=30, sync_dir=str(tmp_path / "sync"), group_port=0,
+                                    device=torch.device("cpu"))
+        queries = torch.tensor([[tok.pad_token_id, 5, 6, 7], [8, 9, 10, 11], [12, 13, 14, 15], [16, 17, 18, 19]])
+        query_mask = queries != tok.pad_token_id
+        for version in range(2):
+            with torch.no_grad():
+                for p in policy.parameters():
+                    if p.requires_grad:
+                        p.add_(0.3 * torch.randn_like(p))
+            sampler.sync(policy, version=version)
+            assert sampler.adapter_name in server.adapters() and sampler.adapter_name in second.adapters()
+            before = server.completions(), second.completions()
+            responses, logprobs = sampler.generate(queries, query_mask, seeds=[1, 2, 3, 4])
+            assert (server.completions() - before[0], second.completions() - before[1]) == (2, 2)
+            expected = trainer_logprobs(policy, queries, query_mask, responses, 0.7)
+            assert (expected - logprobs).abs().max().item() < 1e-4
+        sampler.close()
+    finally:
+        second.kill()
+
+
+def test_a_run_resumed_against_the_server_is_the_uninterrupted_run(server, tmp_path):
+    """A run stopped after its first iteration (a checkpoint) and resumed by a fresh trainer (a new run tag, so new
+    adapter versions on the server) draws what the uninterrupted run drew: the same per-request seeds and weights."""
+
+    class StopAt(TrainerCallback):
+        def on_step_end(self, args, state, control, **kwargs):
+            if state.global_step == 1:
+                control.should_training_stop = True
+
+    def make(out, callbacks=()):
+        tok = tiny_tokenizer()
+        args = PPOConfig(output_dir=str(out), per_device_train_batch_size=8, total_episodes=8 * 3, learning_rate=3e-2,
+                         num_ppo_epochs=1, response_length=4, logging_steps=1, report_to=[], num_sample_generations=0,
+                         bf16=False, disable_tqdm=True, seed=0, use_vllm=True, vllm_mode="server",
+                         vllm_server_base_url=server.url, stop_token="none", save_strategy="steps", save_steps=1)
+        return PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok, seed=0, **SIZE), ref_model=None,
+                          reward_model=reward, train_dataset=tiny_prompt_dataset(tok, 16),
+                          value_model=tiny_scalar_model(tok, **SIZE), peft_config=LoraConfig(**LORA),
+                          callbacks=list(callbacks))
+
+    straight = make(tmp_path / "a")
+    straight.train()
+    first = make(tmp_path / "b", [StopAt()])
+    first.train()
+    resumed = make(tmp_path / "b")
+    resumed.train(resume_from_checkpoint=str(tmp_path / "b" / "checkpoint-1"))
+    assert resumed.vllm.tag != straight.vllm.tag
+    for p, q in zip(resumed.unwrapped.parameters(), straight.unwrapped.parameters()):
+        assert torch.equal(p, q)
+
+    def logs(t):
+        return [{k: v for k, v in h.items() if k not in WALL_CLOCK_KEYS} for h in t.state.log_history
+                if "objective/scores" in h]
+
+    assert logs(resumed) == logs(straight) and len(logs(straight)) == 3

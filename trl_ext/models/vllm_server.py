@@ -51,15 +51,17 @@ class VLLMServer:
     def __init__(self, url: str, timeout: float):
         self.url, self.timeout = url.rstrip("/"), timeout
 
-    def call(self, path: str, body: dict | None = None) -> tuple[int, dict | str]:
+    def call(self, path: str, body: dict | None = None, wait_for_answer: bool = False) -> tuple[int, dict | str]:
         """GET (no body) or POST `path` -> (status, parsed JSON or text). Connection errors and 5xx answers are retried
-        with backoff until `timeout` seconds have passed; 4xx answers come back to the caller."""
+        with backoff until `timeout` seconds have passed; 4xx answers come back to the caller. `wait_for_answer`: no
+        limit on the wait for the answer of a request that connected (a completion takes as long as it takes, as
+        with TRL's client; a server that dies drops the connection, which is retried)."""
         data = None if body is None else json.dumps(body).encode()
         start, wait = time.monotonic(), 0.5
         while True:
             request = urllib.request.Request(self.url + path, data=data, headers={"Content-Type": "application/json"})
             try:
-                with urllib.request.urlopen(request, timeout=self.timeout) as response:
+                with urllib.request.urlopen(request, timeout=None if wait_for_answer else self.timeout) as response:
                     return response.status, _parse(response.read())
             except urllib.error.HTTPError as error:  # the server answered
                 if error.code not in RETRY_STATUS:
@@ -206,7 +208,7 @@ class VLLMServerSampler:
         """One completion, sampled by the model `body` names. A server that lacks that adapter version (it restarted,
         or a load did not apply) loads it again from its saved folder, once."""
         for attempt in range(2):
-            status, answer = server.call("/v1/completions", body)
+            status, answer = server.call("/v1/completions", body, wait_for_answer=True)
             if status == 200:
                 if answer.get("model") != body["model"]:
                     raise RuntimeError(f"the vLLM server at {server.url} answered with model {answer.get('model')!r} "
@@ -246,10 +248,7 @@ def _trl_client(urls: list[str], timeout: float, group_port: int, device: torch.
     if len(urls) > 1:
         raise ValueError(f"vllm_server_base_url names {len(urls)} servers: full weights go to one server over TRL's "
                          "NCCL group; serve it with --data_parallel_size instead, or train a LoRA policy.")
-    try:
-        from trl.generation.vllm_client import VLLMClient
-    except ImportError:
-        from trl.extras.vllm_client import VLLMClient
+    from trl.generation.vllm_client import VLLMClient  # (trl >= 1.12, trl_ext's floor)
     client = VLLMClient(base_url=urls[0], group_port=group_port, connection_timeout=timeout)
     client.init_communicator(device=device)
     return client
