@@ -11,7 +11,8 @@
   the version it must be sampled with, and the server answers with that name or an error: a version it lacks (it
   restarted, or the load did not apply) is loaded again from its saved folder, never sampled stale.
 - A full policy sends every weight over TRL's NCCL weight-transfer group (TRL's `VLLMClient`, `trl vllm-serve`'s
-  protocol): CUDA only.
+  protocol): CUDA only. A server restarted between syncs has its original weights again, which no name reveals:
+  `rollout/sampler_logprob_diff_*` does.
 - A server that is down, starting or restarting is retried until `vllm_server_timeout`, then the run stops with an
   error naming the server.
 """
@@ -112,9 +113,14 @@ class VLLMServerSampler:
         self.resyncs = 0  # adapter versions loaded again because a server lacked the one a request named
         self.adapter_name, self.adapter_path = None, None
         self.loading = threading.Lock()
-        models = [server.ok("/v1/models", what="the model list")["data"] for server in self.servers]
-        # the served model: the entry that is no adapter (`vllm serve MODEL`'s name, or its --served-model-name)
-        self.base_name = next(m["id"] for m in models[0] if not m.get("parent"))
+        # each server's model: the entry that is no adapter (`vllm serve MODEL`'s name, or its --served-model-name);
+        # the reference (a LoRA policy's base) is sampled under that name, on whichever server gets the row
+        bases = [next(m["id"] for m in server.ok("/v1/models", what="the model list")["data"] if not m.get("parent"))
+                 for server in self.servers]
+        if len(set(bases)) > 1:
+            raise ValueError(f"the servers of vllm_server_base_url serve different models: {dict(zip(urls, bases))}. "
+                             "Serve the same model under the same name on each (--served-model-name).")
+        self.base_name = bases[0]
         # adapter names carry this run's tag, the same on every process: runs sharing a server never collide
         tag = [uuid.uuid4().hex[:8]]
         if accelerator is not None and accelerator.num_processes > 1:
@@ -151,8 +157,7 @@ class VLLMServerSampler:
             with self.client.weight_update():
                 for name, param in model.named_parameters():
                     self.client.update_named_param(name, param.data)
-            if hasattr(self.client, "reset_prefix_cache"):
-                self.client.reset_prefix_cache()
+            self.client.reset_prefix_cache()  # cached prefixes hold the old weights' keys and values
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()  # no process samples before the weights are there
 
