@@ -5,12 +5,14 @@
   own, so the training run never changes and the two share random numbers (a paired comparison).
 
 HF generate samples with `trl_ext.models.TokenSampler` (`draw`, the one call of `generate_responses`); with
-`use_vllm` the colocated vLLM engine samples (`trl_ext.models.vllm_sampler`), once it holds this step's weights.
+`use_vllm` the colocated vLLM engine (`trl_ext.models.vllm_sampler`) or the vLLM servers of vllm_mode='server'
+(`trl_ext.models.vllm_server`) sample, once they hold this step's weights.
 Either way the response mask comes from the stop position, and the pad id fills what follows it.
 """
 
 from __future__ import annotations
 
+import os
 from contextlib import contextmanager, nullcontext
 
 import torch
@@ -89,8 +91,6 @@ class ResponseSampler:
 def server_vllm(args, policy, tokenizer, sampling: Sampling, device: torch.device, sharded: bool, accelerator,
                 adapter_name: str | None = None):
     """The vLLM servers of `vllm_mode="server"` (trl_ext/models/vllm_server.py), after checking they can serve."""
-    import os
-
     from ..models.vllm_server import VLLMServerSampler, server_urls
 
     if sharded:
