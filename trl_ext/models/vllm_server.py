@@ -232,7 +232,7 @@ class VLLMServerSampler:
                     server.call("/v1/unload_lora_adapter", {"lora_name": self.adapter_name})
                 except ServerUnavailable:
                     pass
-        if self.adapter_path is not None:
+        if self.is_main and self.adapter_path is not None:  # the folder is the main process's (shared by all)
             shutil.rmtree(self.adapter_path, ignore_errors=True)
 
 
