@@ -291,8 +291,9 @@ class PPOConfig(PPOConfigBase):
         default=None,
         metadata={"help": "Weight the policy loss by π_old / π_sampler of each sampled token, truncated or masked "
                   "(TRL's GRPO field: truncated importance sampling for a sampler that is not exactly the trained "
-                  "policy). Unset: on with use_vllm (TRL's default), off with HF generate, whose fp32 log-probs "
-                  "agree with the trainer's to ~1e-6 (rollout/sampler_logprob_diff_*); it applies to either."},
+                  "policy). Unset: on with use_vllm (TRL's default) and with async_rollouts at max_staleness >= 1 "
+                  "(a sampler versions behind), off with synchronous HF generate, whose fp32 log-probs agree with "
+                  "the trainer's to ~1e-6 (rollout/sampler_logprob_diff_*); it applies to either."},
     )
     vllm_importance_sampling_mode: str = field(
         default="sequence_mask",
@@ -304,6 +305,32 @@ class PPOConfig(PPOConfigBase):
     )
     vllm_importance_sampling_clip_min: float | None = field(
         default=None, metadata={"help": "Lower bound of the importance weights (None: none)."},
+    )
+    async_rollouts: bool = field(
+        default=False,
+        metadata={"help": "Generate the next rollout batches while the trainer updates on this one (docs/training.md, "
+                  "'Asynchronous rollouts'): the sampler (HF generate in a thread of its own, on a copy of the "
+                  "policy, or the vLLM servers of vllm_mode='server') samples batch k+1 with weights at most "
+                  "max_staleness versions old. Off: each rollout waits for the update before it, and the update for "
+                  "the rollout."},
+    )
+    max_staleness: int = field(
+        default=1,
+        metadata={"help": "With async_rollouts: the most policy versions (iterations) a trained rollout may lag "
+                  "behind the policy it trains (TRL's AsyncGRPO name; its default 4 is for GRPO without a critic). "
+                  "1: one-step off-policy (batch k+1 sampled with the weights before update k). 0: no overlap, "
+                  "synchronous PPO exactly."},
+    )
+    weight_sync_steps: int = field(
+        default=1,
+        metadata={"help": "With async_rollouts: iterations between weight syncs to the sampler (TRL's name). At most "
+                  "max_staleness + 1: beyond that a rollout would need weights not trained yet."},
+    )
+    off_policy_mask_threshold: float | None = field(
+        default=None,
+        metadata={"help": "Off-policy sequence masking (DeepSeek-V3.2, eq. 9; TRL's GRPO field): a token with a "
+                  "negative advantage leaves the policy loss when its sequence's mean log π_sampler − log π_θ over "
+                  "real tokens exceeds this (e.g. 0.5). None: off."},
     )
     trust_remote_code: bool = field(
         default=False,
@@ -367,7 +394,8 @@ class PPOConfig(PPOConfigBase):
 
     def __post_init__(self):
         if self.vllm_importance_sampling_correction is None:  # no π_old / π_sampler when π_old is the sampler's
-            self.vllm_importance_sampling_correction = self.use_vllm and self.rollout_logprobs != "sampler"
+            stale = self.async_rollouts and self.max_staleness > 0  # a sampler one or more versions behind
+            self.vllm_importance_sampling_correction = (self.use_vllm or stale) and self.rollout_logprobs != "sampler"
         if self.bf16 is None:
             self.bf16 = (not self.fp16) and bf16_in_hardware()
         elif self.bf16 and not self.use_cpu and torch.cuda.is_available() and not bf16_in_hardware():
@@ -382,7 +410,7 @@ class PPOConfig(PPOConfigBase):
         """Every field's check, by group; each error names the value and the fix."""
         for group in (self._check_choices, self._check_trl_update_fields, self._check_ppo_variants,
                       self._check_trl_rollout_fields, self._check_kl_control_and_critic, self._check_faults,
-                      self._check_vllm, self._check_rewards_and_alarms, self._check_packing):
+                      self._check_vllm, self._check_async, self._check_rewards_and_alarms, self._check_packing):
             group()
 
     def _check_choices(self) -> None:
@@ -523,6 +551,18 @@ class PPOConfig(PPOConfigBase):
         _check(low is None or low >= 0, f"vllm_importance_sampling_clip_min={low} must be >= 0, or None.")
         _check(low is None or high is None or low < high,
                f"vllm_importance_sampling_clip_min={low} must be below vllm_importance_sampling_clip_max={high}.")
+
+    def _check_async(self) -> None:
+        """async_rollouts' bounds, and the off-policy sequence mask."""
+        _check(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
+               f"max_staleness={self.max_staleness!r} must be an integer >= 0 (1: one-step off-policy; 0: synchronous).")
+        _check(isinstance(self.weight_sync_steps, int) and 1 <= self.weight_sync_steps <= self.max_staleness + 1,
+               f"weight_sync_steps={self.weight_sync_steps!r} must be an integer in [1, max_staleness + 1 = "
+               f"{self.max_staleness + 1}]: with fewer syncs a rollout would need weights that are not trained yet. "
+               "Raise max_staleness or sync more often.")
+        _check(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
+               f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be >= 0 (DeepSeek-V3.2: e.g. 0.5), or "
+               "None for no mask.")
 
     def _check_rewards_and_alarms(self) -> None:
         """The alarms' thresholds (a JSON string from the command line is parsed here), the score conditioning, the

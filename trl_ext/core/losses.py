@@ -136,6 +136,39 @@ def sampler_correction_weights(
         return torch.where(response_mask, w, 0.0).to(logprobs.dtype)
 
 
+def off_policy_sequence_mask(
+    advantages: torch.Tensor,
+    logprobs: torch.Tensor,
+    sampler_logprobs: torch.Tensor,
+    response_mask: torch.Tensor,
+    threshold: float,
+) -> torch.Tensor:
+    """Off-policy sequence masking (DeepSeek-V3.2, https://arxiv.org/abs/2512.02556, eq. 9; TRL's GRPO
+    `off_policy_mask_threshold`), per token for PPO's per-token advantages: a token leaves the policy loss when its
+    advantage is negative and its sequence has drifted: the mean over real tokens of log π_sampler − log π_θ exceeds
+    `threshold`. A sample the policy already moves away from is not pushed further.
+
+    # keep_t = (A_t >= 0) or ((1/|o|) Σ_t∈o (log π_sampler(y_t) − log π_θ(y_t)) <= δ)
+    # (GRPO's advantage is one per sequence; PPO's GAE advantage is per token, so its sign is taken per token)
+
+    Args:
+        advantages: (B, T).
+        logprobs: (B, T) log π_θ of the sampled tokens (the current policy; detached here).
+        sampler_logprobs: (B, T) log-probs of the policy that sampled them.
+        response_mask: (B, T) bool.
+        threshold: δ >= 0.
+
+    Returns:
+        (B, T) float: 1 keep, 0 masked (0 outside the mask too).
+    """
+    _check_same_shape(response_mask, advantages=advantages, logprobs=logprobs, sampler_logprobs=sampler_logprobs)
+    with torch.no_grad():
+        drift = torch.where(response_mask, sampler_logprobs.float() - logprobs.detach().float(), 0)
+        mean_drift = drift.sum(1, keepdim=True) / response_mask.sum(1, keepdim=True).clamp(min=1)
+        keep = (advantages >= 0) | (mean_drift <= threshold)
+        return (keep & response_mask).to(logprobs.dtype)
+
+
 def clipped_policy_loss(
     logprobs: torch.Tensor,
     old_logprobs: torch.Tensor,

@@ -48,14 +48,14 @@ class TokenSampler:
     min-p, temperature, ...) can then change what is sampled: whatever a model's generation_config says, the tokens
     PPO trains on come from the policy's own distribution, and `logprobs` are the sampler's log-probs of them."""
 
-    def __init__(self, temperature: float):
-        self.temperature = temperature
+    def __init__(self, temperature: float, generator: torch.Generator | None = None):
+        self.temperature, self.generator = temperature, generator  # generator None: torch's global RNG
         self.steps: list[torch.Tensor] = []  # one (B,) fp32 tensor per generation step
 
     def __call__(self, input_ids: torch.Tensor, scores: torch.Tensor) -> torch.Tensor:
         logp = torch.log_softmax(scores.float() / self.temperature, dim=-1)  # (B, V)
         try:
-            tokens = torch.multinomial(logp.exp(), num_samples=1)  # (B, 1)
+            tokens = torch.multinomial(logp.exp(), num_samples=1, generator=self.generator)  # (B, 1)
         except RuntimeError as e:  # torch's "probability tensor contains either inf, nan or element < 0"
             raise FloatingPointError("the policy's next-token probabilities hold NaN/inf: its logits overflowed, so "
                                      "its weights are out of range.") from e
@@ -92,9 +92,10 @@ def generation_config_of(model: nn.Module, config: GenerationConfig):
 
 
 @torch.no_grad()
-def generate_responses(policy, queries, query_mask, sampling: Sampling,
-                       chunk_size: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Sample responses for left-padded queries, in chunks of `chunk_size` rows.
+def generate_responses(policy, queries, query_mask, sampling: Sampling, chunk_size: int,
+                       generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Sample responses for left-padded queries, in chunks of `chunk_size` rows, drawing from `generator` (None:
+    torch's global RNG).
 
     Returns (B, T) ids, T = `sampling.response_length` (positions after the stop token hold the stop token, or are
     unfilled past the end of generation: the response mask from the stop position hides them), and the sampler's
@@ -111,7 +112,7 @@ def generate_responses(policy, queries, query_mask, sampling: Sampling,
     with eval_mode(policy), generation_config_of(policy, config):
         for i in range(0, B, chunk_size):
             q, m = queries[i : i + chunk_size], query_mask[i : i + chunk_size].long()
-            sampler = TokenSampler(sampling.temperature)
+            sampler = TokenSampler(sampling.temperature, generator)
             seq = policy.generate(input_ids=model_input_ids(q, m), attention_mask=m, generation_config=config,
                                   logits_processor=LogitsProcessorList([sampler]))
             n = seq.shape[1] - q.shape[1]  # tokens generated (the sampler may have run steps generate undid)

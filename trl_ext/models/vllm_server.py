@@ -7,7 +7,9 @@
   `--logprobs-mode processed_logprobs`, as `trl vllm-serve` sets it). Several servers split the rows.
 - A LoRA policy sends only its adapter (a 4-bit base is never merged): the main process saves each version to
   `vllm_server_sync_dir` and loads it on every server under a new name (`/v1/load_lora_adapter`, the server started
-  with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), then unloads the previous one. Each request names
+  with `--enable-lora` and `VLLM_ALLOW_RUNTIME_LORA_UPDATING=1`), then unloads the previous one. With
+  `async_rollouts` (`load_version`) each version gets its own name and stays loaded until no draw needs it: a draw
+  names one version at a time. Each request names
   the version it must be sampled with, and the server answers with that name or an error: a version it lacks (it
   restarted, or the load did not apply) is loaded again from its saved folder, never sampled stale.
 - A full policy sends every weight over TRL's NCCL weight-transfer group (TRL's `VLLMClient`, `trl vllm-serve`'s
@@ -112,6 +114,7 @@ class VLLMServerSampler:
         self.syncs, self.version = 0, None
         self.resyncs = 0  # adapter versions loaded again because a server lacked the one a request named
         self.adapter_name, self.adapter_path = None, None
+        self.folders: dict[str, str] = {}  # every adapter of this run loaded now: name -> its saved folder
         self.loading = threading.Lock()
         # each server's model: the entry that is no adapter (`vllm serve MODEL`'s name, or its --served-model-name);
         # the reference (a LoRA policy's base) is sampled under that name, on whichever server gets the row
@@ -144,14 +147,9 @@ class VLLMServerSampler:
             previous = self.adapter_name, self.adapter_path
             self.adapter_name = f"trl_ext-{self.tag}-v{self.syncs}"
             self.adapter_path = os.path.join(self.sync_dir, self.adapter_name)
-            if self.is_main:
-                _save_adapter(policy, self.adapter_path, self.policy_adapter)
-                for server in self.servers:
-                    self._load(server)
-                    if previous[0] is not None:
-                        server.call("/v1/unload_lora_adapter", {"lora_name": previous[0]})
-                if previous[1] is not None:
-                    shutil.rmtree(previous[1], ignore_errors=True)
+            self._put(policy, self.adapter_name, self.adapter_path)
+            if self.is_main and previous[0] is not None:
+                self.unload(previous[0])
         elif self.is_main:
             model = _underlying(policy)
             with self.client.weight_update():
@@ -161,33 +159,69 @@ class VLLMServerSampler:
         if self.accelerator is not None:
             self.accelerator.wait_for_everyone()  # no process samples before the weights are there
 
-    def _load(self, server: VLLMServer, again: bool = False) -> None:
-        """Load the current adapter version on `server` (`again`: a request found it missing; another one may have
+    def load_version(self, policy: nn.Module, version: int) -> str:
+        """Put the policy's current adapter on every server under a name of its own (`async_rollouts`: the sampler
+        draws with the versions it was given while newer ones arrive), keeping the others; every process calls this.
+        Returns the name requests give (`generate(adapter_name=...)`); `unload` it once no draw needs it."""
+        if not self.is_peft:
+            raise ValueError("async_rollouts with vllm_mode='server' keeps several policy versions on the server at "
+                             "once, as LoRA adapters: train a LoRA policy (peft_config), or use async_rollouts with "
+                             "HF generate (use_vllm=False).")
+        name = f"trl_ext-{self.tag}-step{version}"
+        self._put(policy, name, os.path.join(self.sync_dir, name))
+        if self.accelerator is not None:
+            self.accelerator.wait_for_everyone()  # no process samples before the weights are there
+        return name
+
+    def _put(self, policy: nn.Module, name: str, path: str) -> None:
+        """The main process saves the adapter to `path` and loads it on every server as `name`."""
+        self.folders[name] = path
+        if self.is_main:
+            _save_adapter(policy, path, self.policy_adapter)
+            for server in self.servers:
+                self._load(server, name)
+
+    def unload(self, name: str) -> None:
+        """Unload adapter `name` from every server and delete its folder (the main process; the others forget it)."""
+        path = self.folders.pop(name, None)
+        if not self.is_main:
+            return
+        try:
+            for server in self.servers:
+                server.call("/v1/unload_lora_adapter", {"lora_name": name})
+        finally:
+            if path is not None:
+                shutil.rmtree(path, ignore_errors=True)
+
+    def _load(self, server: VLLMServer, name: str, again: bool = False) -> None:
+        """Load adapter `name` from its folder on `server` (`again`: a request found it missing; another one may have
         loaded it just now)."""
         with self.loading:  # requests that found the version missing load it once
-            status, answer = server.call("/v1/load_lora_adapter", {"lora_name": self.adapter_name,
-                                                                     "lora_path": self.adapter_path})
+            status, answer = server.call("/v1/load_lora_adapter", {"lora_name": name, "lora_path": self.folders[name]})
             if again and status == 200:
                 self.resyncs += 1
                 logger.warning("the vLLM server at %s lacked adapter %s (restarted, or a load that did not apply): "
-                               "loaded it again before sampling", server.url, self.adapter_name)
+                               "loaded it again before sampling", server.url, name)
         if status != 200 and "already been loaded" not in str(answer):
             hint = (" Start the server with --enable-lora (and --max-lora-rank at least the adapter's r) and "
                     "VLLM_ALLOW_RUNTIME_LORA_UPDATING=1 in its environment; vllm_server_sync_dir must be a folder the "
                     "server can read." if status in (400, 404, 405) else "")
-            raise RuntimeError(f"the vLLM server at {server.url} did not load adapter {self.adapter_name} from "
-                               f"{self.adapter_path} (HTTP {status}): {answer}.{hint}")
+            raise RuntimeError(f"the vLLM server at {server.url} did not load adapter {name} from "
+                               f"{self.folders[name]} (HTTP {status}): {answer}.{hint}")
 
     # ------------------------------------------------------------------------------------------------ sampling
     @torch.no_grad()
-    def generate(self, queries: torch.Tensor, query_mask: torch.Tensor, seeds: list[int], adapter: bool = True):
+    def generate(self, queries: torch.Tensor, query_mask: torch.Tensor, seeds: list[int], adapter: bool = True,
+                 adapter_name: str | None = None):
         """(B, Q) left-padded prompts -> (B, T) responses (the pad id after the end) and the server's (B, T) fp32
-        log-probs of them (0 after the end). `adapter=False`: a LoRA policy's base (its reference) samples."""
-        if self.is_peft and adapter and self.adapter_name is None:
+        log-probs of them (0 after the end). `adapter=False`: a LoRA policy's base (its reference) samples;
+        `adapter_name`: that version of `load_version` (None: the one of the last `sync`)."""
+        adapter_name = adapter_name or self.adapter_name
+        if self.is_peft and adapter and adapter_name is None:
             raise RuntimeError("the server has no adapter of this run yet: call sync(policy) before generate")
         s, stop = self.sampling, self.sampling.stop_token_id
         B, T = queries.shape[0], s.response_length
-        model = self.adapter_name if (self.is_peft and adapter) else self.base_name
+        model = adapter_name if (self.is_peft and adapter) else self.base_name
         rows = real_rows(queries, query_mask.bool())
         share = -(-B // len(self.servers))  # the rows split in contiguous shares, one per server
 
@@ -219,21 +253,19 @@ class VLLMServerSampler:
                     raise RuntimeError(f"the vLLM server at {server.url} answered with model {answer.get('model')!r} "
                                        f"where {body['model']!r} was asked: the samples would not be the policy's.")
                 return answer["choices"][0]
-            if status == 404 and body["model"] == self.adapter_name and attempt == 0:
-                self._load(server, again=True)
+            if status == 404 and body["model"] in self.folders and attempt == 0:
+                self._load(server, body["model"], again=True)
                 continue
             raise RuntimeError(f"the vLLM server at {server.url} refused a completion of {body['model']!r} "
                                f"(HTTP {status}): {answer}")
 
     def close(self) -> None:
-        if self.is_main and self.adapter_name is not None:
-            for server in self.servers:
-                try:
-                    server.call("/v1/unload_lora_adapter", {"lora_name": self.adapter_name})
-                except ServerUnavailable:
-                    pass
-        if self.is_main and self.adapter_path is not None:  # the folder is the main process's (shared by all)
-            shutil.rmtree(self.adapter_path, ignore_errors=True)
+        """Unload this run's adapters and delete their folders (the main process's: shared by all)."""
+        for name in list(self.folders):
+            try:
+                self.unload(name)
+            except ServerUnavailable:
+                pass
 
 
 def _save_adapter(policy: nn.Module, path: str, name: str | None = None) -> None:

@@ -161,6 +161,7 @@ def sampler_metrics(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, mask
 TOKEN_STATS = ("policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
                "policy/entropy_avg", "val/ratio", "policy/clipfrac_low_avg", "policy/clipfrac_high_avg")
 DUAL_CLIP_STATS = ("policy/clipfrac_dual_avg",)  # with clip_ratio_c
+OFF_POLICY_MASK_STATS = ("policy/off_policy_masked_frac",)  # with off_policy_mask_threshold: tokens masked
 
 
 class UpdateStats:

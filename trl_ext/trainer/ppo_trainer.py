@@ -67,6 +67,7 @@ from ..monitoring.phases import Phases
 from ..monitoring.progress import PPOProgress
 from ..rewards import RewardNormalizer, RewardScorer, has_score_head
 from .allocator import allocator_chosen_by_user, keep_freed_memory, largest_trained_block
+from .async_rollouts import AsyncRollouts, ServerSampler, ThreadSampler, load_drawn, save_drawn
 from .backend import Backend, Reference, reference_copy
 from .checkpoint import (
     CONFIG_OVER_STATE,
@@ -160,9 +161,13 @@ class PPOTrainer(PPOTrainerBase):
         self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
         self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
         self.vllm = self._setup_vllm() if args.use_vllm else None
-        # each process samples its own responses; seeded last, as DeepSpeed's engine set-up may draw random numbers
+        # each process's global RNG (the minibatch order; the rollouts draw from generators seeded per iteration),
+        # seeded last, as DeepSpeed's engine set-up may draw random numbers
         torch.manual_seed(self.local_seed)
         self._setup_phases()
+        self.async_engine = self._setup_async() if args.async_rollouts else None
+        self.async_rollouts: AsyncRollouts | None = None  # the sampler's thread, while train() runs
+        self._resumed_draws: dict[int, dict] = {}
 
     # ------------------------------------------------------------------------------------------------ setup steps
     @staticmethod
@@ -534,6 +539,26 @@ class PPOTrainer(PPOTrainerBase):
         self.evaluator = Evaluator(args, self.backend, self.sampler, self.reference, self.reward_scorer,
                                    self.eval_scorer, self.processing_class, self.eval_dataloader)
 
+    def _setup_async(self):
+        """The sampler of async_rollouts (trl_ext/trainer/async_rollouts.py): HF generate on a copy of the policy in
+        a thread of its own, or the vLLM servers of vllm_mode='server'."""
+        if self.vllm is None:
+            if self.shared is not None or self.backend.params_sharded:
+                raise ValueError("async_rollouts=True with HF generate samples with a copy of the policy that "
+                                 "each process holds whole: not a shared 4-bit base, ZeRO-3 or FSDP (their "
+                                 "weights are shared or sharded). Use vllm_mode='server', a separate policy with "
+                                 "DDP or ZeRO-2, or async_rollouts=False.")
+            return ThreadSampler(self.sampler, self.unwrapped.policy)
+        if self.args.vllm_mode != "server":
+            raise ValueError("async_rollouts=True with vllm_mode='colocate': the colocated engine shares the "
+                             "trainer's device and process; use vllm_mode='server' (the sampler on GPUs or cores "
+                             "of its own), or use_vllm=False (HF generate in a thread of its own).")
+        if not self.vllm.is_peft:
+            raise ValueError("async_rollouts=True with vllm_mode='server' keeps the policy versions still drawn "
+                             "with side by side on the server, as LoRA adapters: train a LoRA policy (peft_config), "
+                             "or use_vllm=False.")
+        return ServerSampler(self.sampler)
+
     # ------------------------------------------------------------------------------------------------ helpers
     @staticmethod
     def _check_shared_base(args: PPOConfig, ref_model, value_model, peft_config) -> None:
@@ -613,12 +638,14 @@ class PPOTrainer(PPOTrainerBase):
         append_jsonl(os.path.join(self.args.output_dir, SAMPLES_FILE), records)
 
     # ------------------------------------------------------------------------------------------------ the phases
-    def rollout(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None = None) -> Rollout:
+    def rollout(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None = None,
+                drawn: tuple | None = None) -> Rollout:
         """Steps 1-7 of a PPO iteration on a batch of left-padded prompts: (B, Q) ids and (B, Q) bool mask, rewards
         shaped with the current β (trl_ext/trainer/rollout.py). extra_columns: other dataset columns of these
-        prompts (lists), passed to reward functions."""
+        prompts (lists), passed to reward functions. drawn: the responses, their mask and the sampler's log-probs
+        drawn already (async_rollouts)."""
         return self.rollout_phase(queries, query_mask, extra_columns, kl_coef=self.kl_ctl.value,
-                                  step=self.state.global_step, trainer_state=self.state)
+                                  step=self.state.global_step, trainer_state=self.state, drawn=drawn)
 
     def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> UpdateStats:
         """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches, clipped policy and value losses,
@@ -680,14 +707,24 @@ class PPOTrainer(PPOTrainerBase):
                                disable=args.disable_tqdm or not self.is_world_process_zero())
         self.phases.add(progress)
 
-        with Preemption() as preemption:
-            self._train_loop(batches, progress, start_time, start_episode, preemption)
+        if self.async_engine is not None:  # the sampler's thread iterates the prompt batches from here on
+            self.async_rollouts = AsyncRollouts(
+                self.async_engine, batches, self.accelerator.device, self.state.global_step, args.num_total_batches,
+                args.max_staleness, args.weight_sync_steps, saved=self._resumed_draws)
+            self.async_rollouts.start(self.unwrapped.policy)
+        try:
+            with Preemption() as preemption:
+                self._train_loop(batches, progress, start_time, start_episode, preemption)
+        finally:
+            if self.async_rollouts is not None:  # the sampler stops after its current draw
+                self.async_rollouts.close()
         progress.close()
         self.phases.listeners.remove(progress)
         self.control = self.callback_handler.on_train_end(args, self.state, self.control)
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(args, self.state, self.control)
+        self.async_rollouts = None
 
     def _train_loop(self, batches, progress, start_time: float, start_episode: int, preemption: Preemption) -> None:
         """The iterations from the current global step on; each ends at a safe boundary where a signal received
@@ -696,7 +733,12 @@ class PPOTrainer(PPOTrainerBase):
         for update in range(self.state.global_step + 1, args.num_total_batches + 1):
             iteration_start = time.perf_counter()
             self.state.episode += args.batch_size
-            batch = next(batches)
+            drawn = None
+            if self.async_rollouts is None:
+                batch = next(batches)
+            else:  # drawn by the sampler's thread, with policy version drawn.version
+                drawn, waited = self.async_rollouts.take(self.state.global_step)
+                batch = drawn.batch
             if "attention_mask" not in batch:
                 raise ValueError("The data collator must return `attention_mask` with `input_ids` (PPO needs the "
                                  "real prompt mask; pad ids are not used to guess it).")
@@ -705,7 +747,8 @@ class PPOTrainer(PPOTrainerBase):
             # 1-7. rollout: generate, score, shape rewards with the current β, advantages
             try:
                 rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                       dataset_columns(batch))
+                                       dataset_columns(batch), drawn=None if drawn is None else
+                                       (drawn.responses, drawn.response_mask, drawn.sampler_logprobs))
             except FloatingPointError as e:  # the sampler met NaN/inf probabilities
                 last = self._last_checkpoint()
                 raise FloatingPointError(
@@ -714,8 +757,12 @@ class PPOTrainer(PPOTrainerBase):
                        "Start again with a lower learning_rate.")) from e
             # 8. PPO epochs (value model only during critic warmup)
             stats = self.ppo_update(rollout, critic_only=warmup)
+            if self.async_rollouts is not None:  # version global_step + 1 to the sampler, if a batch needs it
+                self.async_rollouts.publish(self.unwrapped.policy, self.state.global_step + 1)
             # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
             metrics = self.metrics(rollout, stats, kl_coef, warmup)
+            if drawn is not None:
+                metrics.update(self.async_rollouts.metrics(drawn, waited))
             metrics["eps"] = (self.state.episode - start_episode) / max(time.time() - start_time, 1e-9)  # episodes/s
             # real tokens of all processes per second of this iteration's rollout and update
             metrics["perf/tokens_per_second"] = metrics["rollout/tokens"] / (time.perf_counter() - iteration_start)
@@ -821,6 +868,9 @@ class PPOTrainer(PPOTrainerBase):
             # the optimizer and scheduler (DeepSpeed: its engine checkpoint, with the weights; FSDP2: its own files)
             self._save_optimizer_and_scheduler(folder)
             self._save_rng_state(folder)
+            if self.async_rollouts is not None:  # the draws made with versions older than this checkpoint
+                save_drawn(folder, self.accelerator.process_index,
+                           self.async_rollouts.drawn_state(self.state.global_step))
             if main:
                 callbacks = self.callback_handler.callbacks + [self.control]
                 for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
@@ -845,6 +895,7 @@ class PPOTrainer(PPOTrainerBase):
         else:
             self._load_optimizer_and_scheduler(checkpoint)
         self._load_rng_state(checkpoint)
+        self._resumed_draws = load_drawn(checkpoint, self.accelerator.process_index)  # async_rollouts' saved draws
         self.kl_ctl.load_state_dict(saved["kl_controller"])
         self.reward_normalizer.load_state_dict(saved["reward_normalizer"])
         if self.accelerator.scaler is not None and "grad_scaler" in saved:  # fp16: the loss scale reached

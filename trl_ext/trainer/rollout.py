@@ -101,14 +101,20 @@ class RolloutPhase:
 
     @torch.no_grad()
     def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None, kl_coef: float,
-                 step: int, trainer_state=None) -> Rollout:
+                 step: int, trainer_state=None, drawn: tuple | None = None) -> Rollout:
         """(B, Q) ids and (B, Q) mask of iteration `step`'s prompts -> their Rollout, rewards shaped with β =
-        `kl_coef`. extra_columns: other dataset columns of these prompts (lists), passed to reward functions."""
+        `kl_coef`. extra_columns: other dataset columns of these prompts (lists), passed to reward functions.
+        `drawn`: steps 1-2 done already (async_rollouts: responses, response mask, sampler log-probs of an earlier
+        policy version); steps 3-7 then run at the current one."""
         query_mask = query_mask.bool()
         check_left_padded(query_mask)
         with self.backend.whole_weights():
-            with self.phases("generation"):  # 1-2
-                responses, response_mask, sampler_logprobs = self.sampler.rollout_responses(queries, query_mask, step)
+            if drawn is not None:
+                responses, response_mask, sampler_logprobs = drawn
+            else:
+                with self.phases("generation"):  # 1-2
+                    responses, response_mask, sampler_logprobs = self.sampler.rollout_responses(queries, query_mask,
+                                                                                                step)
             scored = self._score(queries, query_mask, responses, response_mask, sampler_logprobs, extra_columns or {},
                                  trainer_state)  # 3-5
         scores = self._condition(scored.scores, responses, response_mask)  # 5

@@ -1,6 +1,7 @@
 """`ResponseSampler`: every draw of responses goes through here.
 
-- `rollout_responses`: the rollout's draw (step 1), from the training RNG (HF generate) or seeded per request (vLLM).
+- `rollout_responses`: the rollout's draw (step 1), seeded by (process, iteration): HF generate's generator, or vLLM's
+  per-request seeds.
 - `stream_responses`: evaluation's and the samples' draws, of the policy or the reference, from an RNG stream of their
   own, so the training run never changes and the two share random numbers (a paired comparison).
 
@@ -20,7 +21,7 @@ import torch
 from ..core import response_mask_from_stop
 from ..models import Sampling, generate_responses
 from .backend import Backend, Reference
-from .seeds import vllm_rollout_seed, vllm_stream_seed
+from .seeds import rollout_seed, vllm_stream_seed
 
 
 class ResponseSampler:
@@ -37,34 +38,44 @@ class ResponseSampler:
         return (self.vllm is not None and self.vllm.is_peft and self.reference.model is None
                 and not self.reference.adapter_name)
 
-    def draw(self, policy, queries: torch.Tensor, query_mask: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """HF generate in the loss's precision: (B, T) token ids and the sampler's (B, T) log-probs."""
+    def draw(self, policy, queries: torch.Tensor, query_mask: torch.Tensor,
+             generator: torch.Generator | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        """HF generate in the loss's precision: (B, T) token ids and the sampler's (B, T) log-probs, drawn from
+        `generator` (None: torch's global RNG)."""
         with self.backend.accelerator.autocast():
-            return generate_responses(policy, queries, query_mask, self.sampling, self.forward_batch_size)
+            return generate_responses(policy, queries, query_mask, self.sampling, self.forward_batch_size, generator)
 
-    def _masked(self, responses: torch.Tensor, sampler_logprobs: torch.Tensor):
+    def rollout_generator(self, step: int) -> torch.Generator:
+        """The RNG of iteration `step`'s rollout draw on this process: seeded from (process, iteration) alone, so a
+        resumed run, or a sampler in another thread, draws what the uninterrupted synchronous run drew."""
+        return torch.Generator(device=self.backend.device).manual_seed(rollout_seed(self.local_seed, step))
+
+    def masked(self, responses: torch.Tensor, sampler_logprobs: torch.Tensor):
+        """Drawn ids -> the ids with the pad id after the stop token, their response mask, the log-probs."""
         response_mask = response_mask_from_stop(responses, self.sampling.stop_token_id)
         return responses.masked_fill(~response_mask, self.pad_token_id), response_mask, sampler_logprobs
 
-    def generate(self, policy, queries: torch.Tensor, query_mask: torch.Tensor):
+    def generate(self, policy, queries: torch.Tensor, query_mask: torch.Tensor,
+                 generator: torch.Generator | None = None):
         """Sample with `policy` -> (B, T) responses (the pad id after the stop token), their (B, T) bool mask (up to
         and including the stop token) and the sampler's (B, T) log-probs."""
-        return self._masked(*self.draw(policy, queries, query_mask))
+        return self.masked(*self.draw(policy, queries, query_mask, generator))
 
     def _vllm_generate(self, queries, query_mask, step: int, seed: int, adapter: bool = True):
         """Like `generate`, by the vLLM engine once it holds step `step`'s weights; request i seeded with seed + i.
         `adapter=False`: the LoRA policy's base, its reference, samples."""
         self.vllm.sync(self.backend.unwrap().policy, version=step)
         seeds = [(seed + i) % 2**31 for i in range(queries.shape[0])]
-        return self._masked(*self.vllm.generate(queries, query_mask, seeds, adapter=adapter))
+        return self.masked(*self.vllm.generate(queries, query_mask, seeds, adapter=adapter))
 
     def rollout_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, step: int):
-        """Step 1 of iteration `step`: the policy's responses, mask and sampler log-probs. vLLM seeds each request
-        from (process, step), so a resumed run draws what the uninterrupted one drew."""
+        """Step 1 of iteration `step`: the policy's responses, mask and sampler log-probs, drawn from an RNG seeded
+        by (process, step) (HF generate: `rollout_generator`; vLLM: each request), so a resumed run draws what the
+        uninterrupted one drew."""
         if self.vllm is not None:
-            return self._vllm_generate(queries, query_mask, step, vllm_rollout_seed(self.local_seed, step))
+            return self._vllm_generate(queries, query_mask, step, rollout_seed(self.local_seed, step))
         with self.backend.generation_model(self.gather_zero3) as unwrapped:
-            return self.generate(unwrapped.policy, queries, query_mask)
+            return self.generate(unwrapped.policy, queries, query_mask, self.rollout_generator(step))
 
     def stream_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, seed: int, reference: bool,
                          step: int):

@@ -18,9 +18,9 @@ def eval_seed(seed: int, process_index: int, step: int, batch_index: int) -> int
     return seed + PROCESS * process_index + EVAL_STEP * step + batch_index
 
 
-def vllm_rollout_seed(local_seed: int, step: int) -> int:
-    """The first vLLM request seed of one process's rollout at iteration `step` (`local_seed` from `process_seed`;
-    row i adds i)."""
+def rollout_seed(local_seed: int, step: int) -> int:
+    """The seed of one process's rollout draw at iteration `step` (`local_seed` from `process_seed`): HF generate's
+    generator, or the first vLLM request seed (row i adds i)."""
     return local_seed * VLLM_REQUEST + VLLM_STEP * step
 
 

@@ -27,12 +27,13 @@ from ..core import (
     entropy_from_logits,
     loss_denominator,
     masked_mean,
+    off_policy_sequence_mask,
     token_logprobs,
     value_loss,
 )
 from ..data.batches import balanced_partition
 from ..models import LOGPROB_CHUNK, Packing, model_input_ids, sequence_inputs
-from ..monitoring.diagnostics import DUAL_CLIP_STATS, TOKEN_STATS, UpdateStats
+from ..monitoring.diagnostics import DUAL_CLIP_STATS, OFF_POLICY_MASK_STATS, TOKEN_STATS, UpdateStats
 from .backend import Backend
 from .rollout import Rollout
 
@@ -55,9 +56,17 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
     entropy = masked_mean(entropy, micro.response_mask, strict=False)
     low = args.cliprange if args.clip_ratio_low is None else args.clip_ratio_low
     high = args.cliprange if args.clip_ratio_high is None else args.clip_ratio_high
+    weights, keep = micro.sampler_weights, None
+    if args.off_policy_mask_threshold is not None:  # against the policy that sampled (π_old when it is the sampler's)
+        behaviour = micro.logprobs if micro.sampler_logprobs is None else micro.sampler_logprobs
+        keep = off_policy_sequence_mask(micro.advantages, new_logprobs, behaviour, micro.response_mask,
+                                        args.off_policy_mask_threshold)
+        weights = keep if weights is None else weights * keep
     pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
-                                            low, denominator, weights=micro.sampler_weights, cliprange_high=high,
+                                            low, denominator, weights=weights, cliprange_high=high,
                                             clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode)
+    if keep is not None:
+        pg_stats["off_policy_masked"] = masked_mean(1.0 - keep, micro.response_mask, strict=False)
     pg_stats["logprobs"] = new_logprobs.detach()
     return pg_loss, pg_stats, entropy
 
@@ -132,7 +141,8 @@ class PPOUpdate:
         """critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
         weights nor its optimizer state change; only the value model learns."""
         args, accelerator, backend = self.args, self.backend.accelerator, self.backend
-        stats = UpdateStats(TOKEN_STATS + DUAL_CLIP_STATS if args.clip_ratio_c is not None else TOKEN_STATS)
+        stats = UpdateStats(TOKEN_STATS + (DUAL_CLIP_STATS if args.clip_ratio_c is not None else ())
+                            + (OFF_POLICY_MASK_STATS if args.off_policy_mask_threshold is not None else ()))
         B, mini_size = args.local_batch_size, args.local_mini_batch_size
         # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
         loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
@@ -213,7 +223,8 @@ class PPOUpdate:
             "val/clipfrac_avg": vf_stats["clipfrac"], "policy/entropy_avg": entropy,
             "val/ratio": pg_stats["ratio_mean"], "policy/clipfrac_low_avg": pg_stats["clipfrac_low"],
             "policy/clipfrac_high_avg": pg_stats["clipfrac_high"],
-            "policy/clipfrac_dual_avg": pg_stats["clipfrac_dual"]})
+            "policy/clipfrac_dual_avg": pg_stats["clipfrac_dual"],
+            "policy/off_policy_masked_frac": pg_stats.get("off_policy_masked")})
 
     def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
                 vf_coef: float, packing: Packing | None = None):
