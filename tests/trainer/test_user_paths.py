@@ -353,9 +353,9 @@ def test_generate_completions_moves_the_batch_to_the_device_and_keeps_the_traini
     seen = []
     original = t.sampler.draw  # the one call of HF generate
 
-    def spy(policy, queries, query_mask):
+    def spy(policy, queries, query_mask, *generator):
         seen.append(type(queries) is torch.Tensor and type(query_mask) is torch.Tensor)
-        return original(policy, queries.as_subclass(torch.Tensor), query_mask.as_subclass(torch.Tensor))
+        return original(policy, queries.as_subclass(torch.Tensor), query_mask.as_subclass(torch.Tensor), *generator)
 
     monkeypatch.setattr(t.sampler, "draw", spy)
     state = torch.get_rng_state()

@@ -19,7 +19,8 @@ from ..core import estimate_kl
 from ..trainer.rollout import Rollout
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # (B, k) on each process -> (B·processes, k)
-WALL_CLOCK_KEYS = ("eps", "perf/tokens_per_second")  # metrics of time: a repeated run logs other values
+WALL_CLOCK_KEYS = ("eps", "perf/tokens_per_second", "perf/rollout_wait_s",  # metrics of time: a repeated run
+                   "perf/sampler_weight_wait_s")  # logs other values
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -20,7 +20,7 @@ correcting for the older sampler) or the sampler's (rollout_logprobs='sampler': 
 policy that sampled).
 
 Checkpoints: at iteration k the batches drawn with a version older than k (they cannot be drawn again from the
-checkpoint's weights) are waited for and saved (`drawn_state`); the others are drawn after a resume with version k, as
+checkpoint's weights) are waited for and saved (`state`); the others are drawn after a resume with version k, as
 the uninterrupted run draws them. A saved batch older than a resumed run's max_staleness is dropped and drawn again
 (`rollout/dropped_share`).
 
@@ -120,21 +120,23 @@ class ServerSampler:
 class AsyncRollouts:
     """The sampler's thread and the hand-over between it and the trainer (module docstring).
 
-    `batches`: the prompt batches from iteration `first_step` on; `saved`: the draws a checkpoint saved
-    (`drawn_state`), by step."""
+    `batches`: the prompt batches from iteration `first_step` on; `saved`: what a checkpoint saved (`state`): the
+    draws, by step, and the counts behind the metrics."""
 
     def __init__(self, engine, batches, device: torch.device, first_step: int, total_steps: int, max_staleness: int,
-                 weight_sync_steps: int, saved: dict[int, dict] | None = None):
+                 weight_sync_steps: int, saved: dict | None = None):
         self.engine, self.batches, self.device = engine, batches, device
         self.first_step, self.total_steps = first_step, total_steps
         self.max_staleness, self.weight_sync_steps = max_staleness, weight_sync_steps
-        self.saved = dict(saved or {})
+        saved = saved or {}
+        self.saved = {d["step"]: d for d in saved.get("draws", [])}
         self.ready: dict[int, Drawn] = {}
         self.published: dict[int, object] = {}  # version -> the engine's weights of it, until no draw needs them
         self.log: list[dict] = []  # one entry per batch trained: step, version, staleness, dropped draws
         self.publish_log: list[int] = []  # every version published to the sampler, in order
-        self.drawn = self.dropped = 0  # draws made or loaded, and those dropped as too stale (the whole run)
-        self.max_seen = 0  # the largest staleness trained on so far
+        # batches handed to the trainer, the draws of them dropped as too stale, the largest staleness trained on
+        self.trained, self.dropped = saved.get("trained", 0), saved.get("dropped", 0)
+        self.max_seen = saved.get("max_staleness_seen", 0)
         self.error: BaseException | None = None
         self.stopping = False
         self.condition = threading.Condition()
@@ -181,22 +183,26 @@ class AsyncRollouts:
             raise RuntimeError(f"batch {step} was drawn with version {drawn.version}: {staleness} versions old, "
                                f"beyond max_staleness={self.max_staleness}.")
         self.max_seen = max(self.max_seen, staleness)
+        self.trained += 1
+        self.dropped += drawn.dropped
         self.log.append({"step": step, "version": drawn.version, "staleness": staleness, "dropped": drawn.dropped})
         return drawn, time.perf_counter() - start
 
-    def drawn_state(self, step: int) -> list[dict]:
+    def state(self, step: int) -> dict:
         """At a checkpoint of iteration `step` (the trainer's next batch): the draws of batches >= step made with
-        versions older than `step`, waited for; the others are drawn again after a resume, with the same weights."""
+        versions older than `step`, waited for (the others are drawn again after a resume, with the same weights),
+        and the counts behind the metrics."""
         older = [j for j in range(step, self.total_steps) if self.version_of(j) < step]
         with self.condition:
             while not all(j in self.ready for j in older) and self.error is None:
                 self.condition.wait()
             self._raise()
-            return [self.ready[j].saved() for j in older]
+            draws = [self.ready[j].saved() for j in older]
+        return {"draws": draws, "trained": self.trained, "dropped": self.dropped, "max_staleness_seen": self.max_seen}
 
     def metrics(self, drawn: Drawn, waited: float) -> dict[str, float]:
         return {"rollout/staleness": float(drawn.step - drawn.version), "rollout/staleness_max": float(self.max_seen),
-                "rollout/dropped_share": self.dropped / max(self.drawn, 1),
+                "rollout/dropped_share": self.dropped / (self.dropped + self.trained),
                 "perf/rollout_wait_s": waited, "perf/sampler_weight_wait_s": drawn.weight_wait}
 
     def close(self) -> None:
@@ -228,7 +234,6 @@ class AsyncRollouts:
         dropped = 0
         saved = self.saved.pop(step, None)
         if saved is not None:
-            self.drawn += 1
             if step - saved["version"] <= self.max_staleness:
                 self._hand_over(Drawn(step=step, version=saved["version"], batch=batch,
                                       responses=saved["responses"].to(self.device),
@@ -236,7 +241,6 @@ class AsyncRollouts:
                                       sampler_logprobs=saved["sampler_logprobs"].to(self.device)))
                 return True
             dropped = 1  # saved by a run with a larger max_staleness: too old for this one
-            self.dropped += 1
         version = self.version_of(step)
         start = time.perf_counter()
         with self.condition:
@@ -251,7 +255,6 @@ class AsyncRollouts:
         queries = batch["input_ids"].to(self.device)
         query_mask = batch["attention_mask"].to(self.device).bool()
         responses, response_mask, sampler_logprobs = self.engine.draw(weights, queries, query_mask, step)
-        self.drawn += 1
         self._hand_over(Drawn(step=step, version=version, batch=batch, responses=responses,
                               response_mask=response_mask, sampler_logprobs=sampler_logprobs, weight_wait=waited,
                               dropped=dropped))
@@ -267,13 +270,11 @@ def drawn_path(folder: str, process_index: int) -> str:
     return os.path.join(folder, DRAWN_FILE.format(process=process_index))
 
 
-def save_drawn(folder: str, process_index: int, drawn: list[dict]) -> None:
-    torch.save(drawn, drawn_path(folder, process_index))
+def save_drawn(folder: str, process_index: int, state: dict) -> None:
+    torch.save(state, drawn_path(folder, process_index))
 
 
-def load_drawn(folder: str, process_index: int) -> dict[int, dict]:
-    """A checkpoint's saved draws of this process, by step ({} if it has none: a synchronous run's checkpoint)."""
+def load_drawn(folder: str, process_index: int) -> dict:
+    """What `AsyncRollouts.state` saved in a checkpoint for this process ({}: none, a synchronous run's checkpoint)."""
     path = drawn_path(folder, process_index)
-    if not os.path.exists(path):
-        return {}
-    return {d["step"]: d for d in torch.load(path, weights_only=True)}
+    return torch.load(path, weights_only=True) if os.path.exists(path) else {}

@@ -166,8 +166,8 @@ class PPOTrainer(PPOTrainerBase):
         torch.manual_seed(self.local_seed)
         self._setup_phases()
         self.async_engine = self._setup_async() if args.async_rollouts else None
-        self.async_rollouts: AsyncRollouts | None = None  # the sampler's thread, while train() runs
-        self._resumed_draws: dict[int, dict] = {}
+        self.async_rollouts: AsyncRollouts | None = None  # the sampler's thread of the last train() (its logs)
+        self._resumed_draws: dict = {}  # what a checkpoint saved of async_rollouts' draws
 
     # ------------------------------------------------------------------------------------------------ setup steps
     @staticmethod
@@ -724,7 +724,6 @@ class PPOTrainer(PPOTrainerBase):
         if self.control.should_save:
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(args, self.state, self.control)
-        self.async_rollouts = None
 
     def _train_loop(self, batches, progress, start_time: float, start_episode: int, preemption: Preemption) -> None:
         """The iterations from the current global step on; each ends at a safe boundary where a signal received
@@ -870,7 +869,7 @@ class PPOTrainer(PPOTrainerBase):
             self._save_rng_state(folder)
             if self.async_rollouts is not None:  # the draws made with versions older than this checkpoint
                 save_drawn(folder, self.accelerator.process_index,
-                           self.async_rollouts.drawn_state(self.state.global_step))
+                           self.async_rollouts.state(self.state.global_step))
             if main:
                 callbacks = self.callback_handler.callbacks + [self.control]
                 for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
