@@ -137,6 +137,16 @@ def test_generator_mismatch_fires_when_the_sampler_disagrees_with_the_trainer():
         AlarmThresholds(sampler_logprob_tol=0)
 
 
+def test_generator_mismatch_is_quiet_on_a_rollout_an_older_version_drew():
+    """async_rollouts: a sampler one version behind differs from the trainer by the update since; at staleness 0 the
+    same numbers still fire."""
+    stale = [calm(policy__ratio_first_minibatch=0.97, rollout__sampler_logprob_diff_mean=0.5,
+                  rollout__staleness=1.0) for _ in range(4)]
+    assert run(stale) == []
+    fresh = [calm(policy__ratio_first_minibatch=0.97, rollout__staleness=0.0) for _ in range(2)]
+    assert run(fresh) == [("generator_mismatch", 1)]
+
+
 def test_value_lag_fires_after_value_lag_steps_post_warmup():
     # warmup steps 1-5 with a useless critic: ignored; then good until step 10; EV <= 0 from step 11
     stream = [calm(val__warmup=1.0, val__explained_variance=-0.8) for _ in range(5)] \

@@ -18,7 +18,9 @@ Alarms (the name is `Alarm.name` and the ``alarm/<name>`` log key):
 ``generator_mismatch``        ``rollout/sampler_logprob_diff_mean > sampler_logprob_tol`` (the sampler drew the tokens
                               from another distribution than the policy the loss trains: other logits processors,
                               dropout, another precision or engine), or ``|policy/ratio_first_minibatch - 1| >
-                              ratio_tol`` (before any update the trainer's own ratio must be 1).
+                              ratio_tol`` (before any update the trainer's own ratio must be 1). Not on a rollout
+                              an older policy version drew (``rollout/staleness > 0``: async_rollouts), whose gap is
+                              the updates since.
 ``value_lag``                 ``val/explained_variance <= explained_variance_min`` on ``value_lag_steps`` consecutive
                               logged steps after critic warmup (``val/warmup`` is 0 or missing).
 ``entropy_collapse``          ``policy/entropy_avg`` fell on each of the last ``entropy_window`` logged steps and is
@@ -93,6 +95,7 @@ SCORES, KL, KL_COEF = "objective/scores", "objective/kl", "objective/kl_coef"
 CLIPFRAC, APPROXKL, RATIO1, ENTROPY = ("policy/clipfrac_avg", "policy/approxkl_avg", "policy/ratio_first_minibatch",
                                        "policy/entropy_avg")
 SAMPLER_DIFF = "rollout/sampler_logprob_diff_mean"
+STALENESS = "rollout/staleness"  # async_rollouts: versions the sampler was behind
 EXPLAINED_VARIANCE, WARMUP = "val/explained_variance", "val/warmup"
 LENGTH, TRUNCATION = "rollout/response_length_mean", "rollout/truncation_rate"
 SKIPPED, LOSSES = "update/skipped_steps", ("loss/policy_avg", "loss/value_avg")
@@ -325,7 +328,7 @@ class AlarmMonitor:
     def _generator_mismatch(self, m: Mapping) -> str | None:
         t = self.thresholds
         ratio, diff = _value(m, RATIO1), _value(m, SAMPLER_DIFF)
-        if ratio is None and diff is None:
+        if ratio is None and diff is None or _value(m, STALENESS):  # drawn by an older version: the policy's drift
             return None
         causes = []
         if diff is not None and diff > t.sampler_logprob_tol:
