@@ -130,7 +130,7 @@ def test_server_logprobs_are_the_trainers_and_a_lost_adapter_is_loaded_again(ser
     assert sampler.adapter_name not in server.adapters()
 
 
-def train(tmp_path, steps, callbacks=(), **overrides):
+def train(tmp_path, steps, callbacks=(), before_train=None, **overrides):
     tok = tiny_tokenizer()
     args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, total_episodes=8 * steps,
                      learning_rate=0.1, critic_learning_rate=3e-3, num_ppo_epochs=4, kl_coef=0.0, whiten_rewards=False,
@@ -141,6 +141,8 @@ def train(tmp_path, steps, callbacks=(), **overrides):
                    reward_model=reward, train_dataset=tiny_prompt_dataset(tok, 16),
                    value_model=tiny_scalar_model(tok, **SIZE), peft_config=LoraConfig(**LORA),
                    callbacks=list(callbacks))
+    if before_train is not None:
+        before_train(t)
     t.train()
     return t, [h for h in t.state.log_history if "objective/scores" in h]
 
@@ -316,3 +318,47 @@ def test_a_run_resumed_against_the_server_is_the_uninterrupted_run(server, tmp_p
                 if "objective/scores" in h]
 
     assert logs(resumed) == logs(straight) and len(logs(straight)) == 3
+
+
+def test_async_rollouts_draw_with_the_version_before_and_max_staleness_0_is_synchronous(server, tmp_path):
+    """async_rollouts against the server: each version is an adapter of its own name; batch j >= 1 is drawn by
+    version j - 1 (the server's log-probs are that version's, to 1e-4, while the trainer's π_old is version j's), the
+    versions no draw needs any more are unloaded, and max_staleness=0 is the synchronous run, number for number."""
+    steps, at = 4, dict(vllm_mode="server", vllm_server_base_url=server.url)
+    sync, sync_logs = train(tmp_path / "sync", steps, **at)
+    zero, zero_logs = train(tmp_path / "zero", steps, async_rollouts=True, max_staleness=0, **at)
+    assert [{k: v for k, v in log.items() if not k.startswith(("rollout/staleness", "rollout/dropped"))
+             and k not in WALL_CLOCK_KEYS} for log in zero_logs] == \
+        [{k: v for k, v in log.items() if k not in WALL_CLOCK_KEYS} for log in sync_logs]
+    for p, q in zip(zero.unwrapped.parameters(), sync.unwrapped.parameters()):
+        assert torch.equal(p, q)
+
+    versions, rollouts = {}, []
+
+    def record(t):
+        weights, phase = t.async_engine.weights, t.rollout_phase
+
+        def keep_weights(policy, version):
+            versions[version] = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
+            return weights(policy, version)
+
+        def keep_rollout(*args, **kwargs):
+            rollouts.append(phase(*args, **kwargs))
+            return rollouts[-1]
+
+        t.async_engine.weights, t.rollout_phase = keep_weights, keep_rollout
+
+    one, _ = train(tmp_path / "one", steps, async_rollouts=True, max_staleness=1, before_train=record, **at)
+    assert [(e["step"], e["version"]) for e in one.async_rollouts.log] == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    left = [a for a in server.adapters() if a.startswith(f"trl_ext-{one.vllm.tag}")]
+    assert left == [f"trl_ext-{one.vllm.tag}-step2"]  # the last version drawn with; the older ones unloaded
+    policy = one.unwrapped.policy
+    params = dict(policy.named_parameters())
+    with torch.no_grad():
+        for j in (1, 2):
+            for name, tensor in versions[j - 1].items():
+                params[name].copy_(tensor)
+            r = rollouts[j]
+            drawn_by = trainer_logprobs(policy, r.queries, r.query_mask, r.responses, one.args.temperature)
+            assert (drawn_by - r.sampler_logprobs).abs().max() < 1e-4  # the server sampled with version j - 1
+            assert (r.logprobs - r.sampler_logprobs).abs().max() > 1e-2  # π_old (version j) is another policy

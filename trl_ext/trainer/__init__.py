@@ -4,6 +4,7 @@
     rollout.py       steps 1-7 (generate, score, rewards, advantages) and the `Rollout` they produce
     update.py        step 8: PPO epochs over minibatches of micro-batches, the loss terms
     sampling.py      every draw of responses: the rollout's, evaluation's and the samples' (HF generate or vLLM)
+    async_rollouts.py  async_rollouts: the sampler's thread, the version schedule, the hand-over to the trainer
     backend.py       the engine (one process, DDP, DeepSpeed ZeRO-1/2/3, FSDP2) and the model layout, decided once
     checkpoint.py    checkpoint-N: what it holds, writing it atomically, resuming from it
     evaluation.py    held-out paired evaluation against the reference, sample completions
