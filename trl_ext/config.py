@@ -555,7 +555,8 @@ class PPOConfig(PPOConfigBase):
     def _check_async(self) -> None:
         """async_rollouts' bounds, and the off-policy sequence mask."""
         _check(isinstance(self.max_staleness, int) and self.max_staleness >= 0,
-               f"max_staleness={self.max_staleness!r} must be an integer >= 0 (1: one-step off-policy; 0: synchronous).")
+               f"max_staleness={self.max_staleness!r} must be an integer >= 0 (1: one-step off-policy; 0: "
+               "synchronous).")
         _check(isinstance(self.weight_sync_steps, int) and 1 <= self.weight_sync_steps <= self.max_staleness + 1,
                f"weight_sync_steps={self.weight_sync_steps!r} must be an integer in [1, max_staleness + 1 = "
                f"{self.max_staleness + 1}]: with fewer syncs a rollout would need weights that are not trained yet. "

@@ -5,7 +5,6 @@ correction weights the hand-computed ratios, resume and SIGTERM exact, a lowered
 saved draws, and the settings it refuses."""
 
 import copy
-import math
 import os
 import signal
 import subprocess

@@ -2,9 +2,10 @@
 (docs/checkpoints.md).
 
 A checkpoint folder `checkpoint-N` holds: the policy (its adapter, with peft) as `save_pretrained` writes it,
-`value_model/`, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`, `async_rollouts_<process>.pt` (async_rollouts' draws
-with older policy versions), `trainer_state.json` (global step, episode, log history) and `trl_ext_state.json` (β controller state, the settings a resumed run must share, the whole config, and
-the size and sha256 of every other file: `seal`). It is written into `checkpoint-N.partial` and renamed when complete
+`value_model/`, `optimizer.pt`, `scheduler.pt`, `rng_state*.pth`, `async_rollouts_<process>.pt` (async_rollouts'
+draws with older policy versions), `trainer_state.json` (global step, episode, log history) and `trl_ext_state.json`
+(β controller state, the settings a resumed run must share, the whole config, and the size and sha256 of every other
+file: `seal`). It is written into `checkpoint-N.partial` and renamed when complete
 and sealed (`staged`), so a run killed mid-save leaves the previous checkpoint intact (`get_last_checkpoint` only sees
 complete `checkpoint-N` folders); a write that fails on any process removes the partial folder and says why, with the
 free space. A resume verifies the files (`verify`: every file the state lists, with its size and hash, and the files
