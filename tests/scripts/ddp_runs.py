@@ -36,6 +36,9 @@ and how it held the parameters.
   when given by path, then `resume_from_checkpoint=True` falls back to checkpoint-1. `killed_in_save`: hangs inside
   the save of checkpoint-2 (`hang_in_save`: after every process wrote its files) until the test SIGKILLs the launch;
   `killed_resumed` (the next launch): `resume_from_checkpoint=True` in its folder.
+- `async_synchronous`: `straight` with async_rollouts at max_staleness=0 (must be `straight`); `async_stale`: at
+  max_staleness=1; `async_interrupted` / `async_resumed`: `async_stale` stopped after 2 iterations with a checkpoint
+  each, and resumed from checkpoint-2 (must be `async_stale`); `async_refused`: the error under ZeRO-3 / FSDP2.
 """
 
 from __future__ import annotations
@@ -96,7 +99,8 @@ def seeded_generate(policy, queries, query_mask, sampling, chunk_size):
 
 @contextmanager
 def matched_sampling():
-    def draw(self, policy, queries, query_mask):  # ResponseSampler.draw: the one call of HF generate
+    def draw(self, policy, queries, query_mask, generator=None):  # ResponseSampler.draw: the one HF generate call
+        # (the rows seeded by prompt and rollout instead of the iteration's generator)
         with self.backend.accelerator.autocast():
             return seeded_generate(policy, queries, query_mask, self.sampling, self.forward_batch_size)
 
@@ -417,6 +421,31 @@ def run(name: str, out: str) -> dict:
         t.train(resume_from_checkpoint=True)
     elif name == "damaged":
         t, extra = damaged_run(run_dir, os.path.join(out, "interrupted"), per_device)
+    elif name in ("async_synchronous", "async_stale", "async_interrupted", "async_resumed"):
+        staleness = 0 if name == "async_synchronous" else 1
+        make = functools.partial(build, per_device=per_device, steps=RESUME_STEPS, critic_warmup_steps=1,
+                                 async_rollouts=True, max_staleness=staleness)
+        interrupted = os.path.join(out, "async_interrupted")
+        if name == "async_interrupted":
+            t = make(run_dir, callbacks=[StopAt(2)], save_strategy="steps", save_steps=1)
+            t.train()
+        elif name == "async_resumed":
+            t = make(interrupted, save_strategy="steps", save_steps=1)
+            t.train(resume_from_checkpoint=os.path.join(interrupted, "checkpoint-2"))
+        else:
+            t = make(run_dir)
+            t.train()
+        extra["async_log"] = t.async_rollouts.log
+    elif name == "async_refused":  # under ZeRO-3 / FSDP2: a clear error, no run
+        try:
+            build(run_dir, per_device, 1, async_rollouts=True)
+        except ValueError as error:
+            result = {"error": str(error)}
+        else:
+            result = {"error": None}
+        if int(os.environ.get("RANK", "0")) == 0:
+            torch.save(result, os.path.join(out, f"{name}.pt"))
+        return result
     elif name == "killed_in_save":
         hang_in_save(2, out)
         t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1, save_strategy="steps", save_steps=1)
@@ -426,7 +455,8 @@ def run(name: str, out: str) -> dict:
         raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, matched_trunk, unpacked, "
                          "packed, packed_own_rows, packed_budget, warmup, loaded, "
                          "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast, "
-                         "preempted, preempted_resumed, damaged, killed_in_save, killed_resumed")
+                         "preempted, preempted_resumed, damaged, killed_in_save, killed_resumed, async_synchronous, "
+                         "async_stale, async_interrupted, async_resumed, async_refused")
     result = summary(t) | {"initial": initial} | extra
     if t.accelerator.is_main_process:
         torch.save(result, os.path.join(out, f"{name}.pt"))

@@ -200,6 +200,17 @@ def test_a_lower_max_staleness_on_resume_drops_the_saved_draws_that_are_too_old(
     assert "max_staleness: 2 -> 1" in capsys.readouterr().out
 
 
+def test_a_nan_in_the_sampler_thread_stops_the_run_with_the_trainers_message_and_the_thread(tmp_path):
+    t = make_trainer(config(tmp_path, async_rollouts=True))
+    with torch.no_grad():
+        for p in t.unwrapped.policy.parameters():
+            p.fill_(float("nan"))
+    with pytest.raises(FloatingPointError, match=r"Iteration 1: the policy's next-token probabilities hold NaN/inf.*"
+                                                 r"learning_rate=0.001 too high"):
+        t.train()
+    assert not t.async_rollouts.thread.is_alive()
+
+
 def test_settings_async_rollouts_cannot_run_with_are_refused_at_construction(tmp_path):
     from peft import LoraConfig
 

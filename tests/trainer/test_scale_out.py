@@ -78,6 +78,10 @@ ENGINE_FILES = {"ddp": "rng_state_1.pth", "zero2": "zero_pp_rank_1_mp_rank_00_op
 SHARED_RUNS = {"ddp": ["shared_matched", "shared_straight", "shared_interrupted", "shared_resumed", "shared_autocast"],
                "zero2": ["shared_refused", "quantized_refused"], "zero3": [],
                "fsdp2": ["shared_refused", "quantized_refused"], "fsdp2_sharded": []}
+# async_rollouts' sampler thread: each process's HF generate on its own copy of the policy (DDP); refused where the
+# weights are sharded
+ASYNC_RUNS = {"ddp": ["async_synchronous", "async_stale", "async_interrupted", "async_resumed"], "zero2": [],
+              "zero3": ["async_refused"], "fsdp2": ["async_refused"], "fsdp2_sharded": []}
 PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526, "fsdp2_sharded": 29527}
 
 # Differ between 2 processes and 1 by construction, not by a fault:
@@ -104,7 +108,7 @@ def launched(request, tmp_path_factory):
     engine = request.param
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    runs = RUNS + FAULT_RUNS + SHARED_RUNS[engine]
+    runs = RUNS + FAULT_RUNS + SHARED_RUNS[engine] + ASYNC_RUNS[engine]
     if engine == "ddp":
         env["ACCELERATE_USE_CPU"] = "true"
 
@@ -424,3 +428,31 @@ def test_two_machine_ranks_match_one_process(two_machines, one_process, run, tmp
     assert results[run]["world_size"] == 2
     assert results[run]["engine"] == ("DEEPSPEED" if engine == "zero2" else "MULTI_CPU")
     _matched(results, one_process, run, tmp_path, f"{engine} on 2 machine ranks")
+
+
+def test_async_rollouts_on_two_processes(launched):
+    """Each process draws its rows in its own sampler thread, from its own copy of the policy, with the per-process
+    seeds: max_staleness=0 is the synchronous run bit for bit; at 1, every process trains batch j on version j - 1's
+    draws, and a run resumed from a checkpoint (each process's saved draws) is the uninterrupted one. ZeRO-3 and FSDP2
+    (sharded weights, no whole copy to sample with) refuse it at construction."""
+    engine, results, _ = launched
+    if engine in ("zero3", "fsdp2"):
+        assert "async_rollouts=True with HF generate samples with a copy of the policy" in \
+            results["async_refused"]["error"]
+        return
+    if engine != "ddp":
+        return
+
+    def without_async_keys(run):
+        return [{k: v for k, v in log.items() if k not in WALL_CLOCK_KEYS
+                 and not k.startswith(("rollout/staleness", "rollout/dropped"))} for log in run["logs"]]
+
+    synchronous, straight = results["async_synchronous"], results["straight"]
+    assert torch.equal(synchronous["policy"], straight["policy"])
+    assert torch.equal(synchronous["value"], straight["value"])
+    assert without_async_keys(synchronous) == without_async_keys(straight)
+    stale = results["async_stale"]
+    assert [(e["step"], e["version"]) for e in stale["async_log"]] == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    assert [log["rollout/staleness"] for log in stale["logs"]] == [0.0, 1.0, 1.0, 1.0]
+    assert not torch.equal(stale["policy"], straight["policy"])
+    _as_straight(results["async_resumed"], stale, engine)

@@ -725,6 +725,20 @@ class PPOTrainer(PPOTrainerBase):
             self._save_checkpoint(self.model, trial=None)
             self.control = self.callback_handler.on_save(args, self.state, self.control)
 
+    def _next_batch(self, batches):
+        """This iteration's prompt batch, and with async_rollouts the sampler thread's draw of it (a `Drawn`, with
+        the policy version that drew it) and the seconds the trainer waited for it."""
+        drawn, waited = None, 0.0
+        if self.async_rollouts is None:
+            batch = next(batches)
+        else:
+            drawn, waited = self.async_rollouts.take(self.state.global_step)
+            batch = drawn.batch
+        if "attention_mask" not in batch:
+            raise ValueError("The data collator must return `attention_mask` with `input_ids` (PPO needs the "
+                             "real prompt mask; pad ids are not used to guess it).")
+        return batch, drawn, waited
+
     def _train_loop(self, batches, progress, start_time: float, start_episode: int, preemption: Preemption) -> None:
         """The iterations from the current global step on; each ends at a safe boundary where a signal received
         (`preemption`) saves a checkpoint and exits the process with status 0."""
@@ -732,19 +746,12 @@ class PPOTrainer(PPOTrainerBase):
         for update in range(self.state.global_step + 1, args.num_total_batches + 1):
             iteration_start = time.perf_counter()
             self.state.episode += args.batch_size
-            drawn = None
-            if self.async_rollouts is None:
-                batch = next(batches)
-            else:  # drawn by the sampler's thread, with policy version drawn.version
-                drawn, waited = self.async_rollouts.take(self.state.global_step)
-                batch = drawn.batch
-            if "attention_mask" not in batch:
-                raise ValueError("The data collator must return `attention_mask` with `input_ids` (PPO needs the "
-                                 "real prompt mask; pad ids are not used to guess it).")
             warmup = self.state.global_step < args.critic_warmup_steps
             kl_coef = self.kl_ctl.value
-            # 1-7. rollout: generate, score, shape rewards with the current β, advantages
+            # 1-7. rollout: generate (async_rollouts: the sampler thread's draw), score, shape rewards with the
+            # current β, advantages
             try:
+                batch, drawn, waited = self._next_batch(batches)
                 rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device),
                                        dataset_columns(batch), drawn=None if drawn is None else
                                        (drawn.responses, drawn.response_mask, drawn.sampler_logprobs))
