@@ -20,10 +20,7 @@ import argparse
 import json
 import os
 import platform
-import signal
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -31,6 +28,17 @@ import time
 def length_reward(prompts, completions, **kwargs):
     """A reward that costs nothing: the share of letters that are 'e'."""
     return [c.count("e") / max(len(c), 1) for c in completions]
+
+
+def timed(fn, seconds: list):
+    """`fn`, appending the seconds of each call to `seconds`."""
+    def call(*args, **kwargs):
+        start = time.perf_counter()
+        result = fn(*args, **kwargs)
+        seconds.append(time.perf_counter() - start)
+        return result
+
+    return call
 
 
 def build_trainer(url: str, asynchronous: bool, args, out: str):
@@ -70,26 +78,8 @@ def build_trainer(url: str, asynchronous: bool, args, out: str):
     clock = Clock()
     trainer.add_callback(clock)
     generation = []  # seconds of each draw of the sampler (sync: on the trainer's path; async: in its thread)
-    if asynchronous:
-        draw = trainer.async_engine.draw
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            result = draw(*a, **k)
-            generation.append(time.perf_counter() - start)
-            return result
-
-        trainer.async_engine.draw = timed
-    else:
-        draw = trainer.sampler.rollout_responses
-
-        def timed(*a, **k):
-            start = time.perf_counter()
-            result = draw(*a, **k)
-            generation.append(time.perf_counter() - start)
-            return result
-
-        trainer.sampler.rollout_responses = timed
+    owner, name = (trainer.async_engine, "draw") if asynchronous else (trainer.sampler, "rollout_responses")
+    setattr(owner, name, timed(getattr(owner, name), generation))
     return trainer, clock, generation
 
 
@@ -122,28 +112,16 @@ def main() -> None:
     import torch
 
     from trl_ext.embedded import smollm2_path
-    from trl_ext.testing import vllm_server_command, wait_for_server
+    from trl_ext.testing import pinned_vllm_server
 
     torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command, env = vllm_server_command(str(smollm2_path()), port, max_model_len=256, kv_cache_bytes=2**29)
-    log = open(os.path.join(args.out, "server.log"), "w")
-    server = subprocess.Popen(["taskset", "-c", "1", *command], stdout=log, stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True)
     runs = []
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_server(url, server)
+    with pinned_vllm_server(str(smollm2_path()), "1", os.path.join(args.out, "server.log")) as url:
         for repeat in range(args.repeats):
             for asynchronous in ((False, True) if repeat % 2 == 0 else (True, False)):
                 runs.append(one_run(url, asynchronous, args))
                 print(f"repeat {repeat} async={asynchronous}: median iteration {runs[-1]['median_s']:.2f} s",
                       flush=True)
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)  # the API server and its engine core
-        server.wait()
 
     sync_s = statistics.median(r["median_s"] for r in runs if not r["async"])
     async_s = statistics.median(r["median_s"] for r in runs if r["async"])

@@ -17,10 +17,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import signal
-import socket
 import statistics
-import subprocess
 import tempfile
 import time
 
@@ -44,19 +41,10 @@ def main() -> None:
     from trl_ext.models import Sampling
     from trl_ext.models.vllm_sampler import VLLMSampler
     from trl_ext.models.vllm_server import VLLMServerSampler
-    from trl_ext.testing import vllm_server_command, wait_for_server
+    from trl_ext.testing import pinned_vllm_server
 
     torch.set_num_threads(1)
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    command, env = vllm_server_command(str(smollm2_path()), port, max_model_len=256, kv_cache_bytes=2**29)
-    log = open(os.path.join(args.out, "server.log"), "w")
-    server = subprocess.Popen(["taskset", "-c", "1", *command], stdout=log, stderr=subprocess.STDOUT, env=env,
-                              start_new_session=True)
-    try:
-        url = f"http://127.0.0.1:{port}"
-        wait_for_server(url, server)
+    with pinned_vllm_server(str(smollm2_path()), "1", os.path.join(args.out, "server.log")) as url:
         model, tok = load_smollm2()
         policy = get_peft_model(model.eval(), LoraConfig(r=8, target_modules="all-linear"))
         tok.padding_side = "left"
@@ -84,9 +72,6 @@ def main() -> None:
                     times[name]["sync"].append(synced - start)
                     times[name]["rollout"].append(end - start)
         samplers["server"].close()
-    finally:
-        os.killpg(server.pid, signal.SIGKILL)  # the API server and its engine core
-        server.wait()
 
     med = {name: {k: statistics.median(v) for k, v in t.items()} for name, t in times.items()}
     lines = [f"SmolLM2-135M-Instruct + LoRA r=8, fp32, {args.prompts} prompts x {args.tokens} tokens; trainer on core "

@@ -174,3 +174,30 @@ def wait_for_server(url: str, process, timeout: float = 300.0) -> None:
             pass
         time.sleep(1.0)
     raise TimeoutError(f"the vLLM server at {url} did not answer /health in {timeout:.0f} s")
+
+
+@contextmanager
+def pinned_vllm_server(model_dir: str, cores: str, log_path: str, max_model_len: int = 256,
+                       kv_cache_bytes: int = 2**29):
+    """A vLLM server (`vllm_server_command`) on a free port of 127.0.0.1, its process pinned to `cores` (taskset's
+    list, e.g. "1") and its output in `log_path`; yields its URL once it answers, and kills its whole process group
+    after (the API server and its engine core)."""
+    import os
+    import signal
+    import socket
+    import subprocess
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    command, env = vllm_server_command(model_dir, port, max_model_len=max_model_len, kv_cache_bytes=kv_cache_bytes)
+    with open(log_path, "w") as log:
+        server = subprocess.Popen(["taskset", "-c", cores, *command], stdout=log, stderr=subprocess.STDOUT, env=env,
+                                  start_new_session=True)
+        try:
+            url = f"http://127.0.0.1:{port}"
+            wait_for_server(url, server)
+            yield url
+        finally:
+            os.killpg(server.pid, signal.SIGKILL)
+            server.wait()

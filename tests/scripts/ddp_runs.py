@@ -343,6 +343,19 @@ def sharded(trainer: PPOTrainer) -> str:
     return "zero3" if any(hasattr(p, "ds_id") for p in params) else "whole"
 
 
+def refused(name: str, out: str, make) -> dict:
+    """`make()` must raise a ValueError: its message (None if it built a trainer) in `out/<name>.pt`."""
+    try:
+        make()
+    except ValueError as error:
+        result = {"error": str(error)}
+    else:
+        result = {"error": None}
+    if int(os.environ.get("RANK", "0")) == 0:
+        torch.save(result, os.path.join(out, f"{name}.pt"))
+    return result
+
+
 def run(name: str, out: str) -> dict:
     per_device = GLOBAL_BATCH // _world_size_hint()
     run_dir = os.path.join(out, name)
@@ -385,16 +398,12 @@ def run(name: str, out: str) -> dict:
             torch.save(result, os.path.join(out, f"{name}.pt"))
         t.accelerator.wait_for_everyone()
         return result
-    elif name in ("shared_refused", "quantized_refused"):  # under DeepSpeed / FSDP: a clear error, no run
-        try:
-            build_shared(run_dir, per_device, 1) if name == "shared_refused" else build_quantized(run_dir, per_device)
-        except ValueError as error:
-            result = {"error": str(error)}
-        else:
-            result = {"error": None}
-        if int(os.environ.get("RANK", "0")) == 0:
-            torch.save(result, os.path.join(out, f"{name}.pt"))
-        return result
+    elif name in ("shared_refused", "quantized_refused", "async_refused"):  # a clear error, no run
+        return refused(name, out, {
+            "shared_refused": lambda: build_shared(run_dir, per_device, 1),  # under DeepSpeed / FSDP
+            "quantized_refused": lambda: build_quantized(run_dir, per_device),
+            "async_refused": lambda: build(run_dir, per_device, 1, async_rollouts=True),  # under ZeRO-3 / FSDP2
+        }[name])
     elif name.removeprefix("shared_") in ("straight", "interrupted", "resumed"):
         make = build_shared if name.startswith("shared_") else functools.partial(build, critic_warmup_steps=1)
         interrupted = os.path.join(out, name.replace("resumed", "interrupted"))
@@ -436,16 +445,6 @@ def run(name: str, out: str) -> dict:
             t = make(run_dir)
             t.train()
         extra["async_log"] = t.async_rollouts.log
-    elif name == "async_refused":  # under ZeRO-3 / FSDP2: a clear error, no run
-        try:
-            build(run_dir, per_device, 1, async_rollouts=True)
-        except ValueError as error:
-            result = {"error": str(error)}
-        else:
-            result = {"error": None}
-        if int(os.environ.get("RANK", "0")) == 0:
-            torch.save(result, os.path.join(out, f"{name}.pt"))
-        return result
     elif name == "killed_in_save":
         hang_in_save(2, out)
         t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1, save_strategy="steps", save_steps=1)

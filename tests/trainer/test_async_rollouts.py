@@ -7,10 +7,7 @@ saved draws, and the settings it refuses."""
 import copy
 import os
 import signal
-import subprocess
 import sys
-import time
-from pathlib import Path
 
 import pytest
 import torch
@@ -22,9 +19,9 @@ from trl_ext.models.forward import response_logprobs
 from trl_ext.trainer.async_rollouts import DRAWN_FILE, sampler_version
 
 sys.path.insert(0, os.path.dirname(__file__))
+from test_faults import signal_at_iteration_2  # noqa: E402
 from test_training_state import StopAt, comparable, config, flat, make_trainer, step_logs  # noqa: E402
 
-ROOT = Path(__file__).resolve().parents[2]
 ASYNC_KEYS = ("rollout/staleness", "rollout/staleness_max", "rollout/dropped_share")
 
 
@@ -227,41 +224,9 @@ def test_settings_async_rollouts_cannot_run_with_are_refused_at_construction(tmp
                    value_model=None)
 
 
-SIGNAL_SCRIPT = '''
-import os, sys, time
-sys.path.insert(0, {tests!r})
-from transformers import TrainerCallback
-from test_training_state import config, make_trainer
-
-class Announce(TrainerCallback):
-    def on_step_end(self, args, state, control, **kwargs):
-        if state.global_step == 2:  # tell the test, and let the signal arrive inside this iteration
-            open(os.path.join(args.output_dir, "AT-2"), "w").close()
-            for _ in range(100):
-                time.sleep(0.05)
-make_trainer(config({out!r}, save_strategy="steps", save_steps=3, async_rollouts=True),
-             callbacks=[Announce()]).train()
-print("TRAIN RETURNED")
-'''
-
-
 @pytest.mark.slow
 def test_sigterm_saves_the_in_flight_draw_exits_0_and_the_resume_is_exact(tmp_path):
-    out = tmp_path / "run"
-    script = tmp_path / "signal_me.py"
-    script.write_text(SIGNAL_SCRIPT.format(tests=str(ROOT / "tests" / "trainer"), out=str(out)))
-    proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    deadline = time.time() + 240
-    while not (out / "AT-2").exists():
-        assert proc.poll() is None, proc.stderr.read()[-3000:]
-        assert time.time() < deadline, "the run never reached iteration 2"
-        time.sleep(0.05)
-    proc.send_signal(signal.SIGTERM)
-    stdout, stderr = proc.communicate(timeout=240)
-    assert proc.returncode == 0, stderr[-3000:]
-    assert f"saved {out / 'checkpoint-2'} at iteration 2 of 4; exiting with status 0" in stdout, stdout
-    assert "TRAIN RETURNED" not in stdout
+    out, _ = signal_at_iteration_2(tmp_path, signal.SIGTERM, extra=", async_rollouts=True")
     saved = torch.load(out / "checkpoint-2" / DRAWN_FILE.format(process=0), weights_only=True)
     assert [(d["step"], d["version"]) for d in saved["draws"]] == [(2, 1)]  # drawn during update 1, kept
 

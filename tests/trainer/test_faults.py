@@ -112,17 +112,17 @@ class Announce(TrainerCallback):
             open(os.path.join(args.output_dir, "AT-2"), "w").close()
             for _ in range(100):
                 time.sleep(0.05)
-make_trainer(config({out!r}, save_strategy="steps", save_steps=3), callbacks=[Announce()]).train()
+make_trainer(config({out!r}, save_strategy="steps", save_steps=3{extra}), callbacks=[Announce()]).train()
 print("TRAIN RETURNED")
 '''
 
 
-@pytest.mark.slow
-@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
-def test_a_signal_saves_a_checkpoint_exits_0_and_the_resume_is_exact(tmp_path, sig):
+def signal_at_iteration_2(tmp_path, sig, extra: str = "") -> tuple[Path, str]:
+    """Run SIGNAL_SCRIPT (its config + `extra` settings) in a process of its own, send `sig` inside iteration 2, and
+    check it saved checkpoint-2 and exited 0 without returning from train(). Returns its output folder and stdout."""
     out = tmp_path / "run"
     script = tmp_path / "signal_me.py"
-    script.write_text(SIGNAL_SCRIPT.format(tests=str(ROOT / "tests" / "trainer"), out=str(out)))
+    script.write_text(SIGNAL_SCRIPT.format(tests=str(ROOT / "tests" / "trainer"), out=str(out), extra=extra))
     proc = subprocess.Popen([sys.executable, str(script)], env={**os.environ, "PYTHONPATH": str(ROOT)}, cwd=ROOT,
                             stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
     deadline = time.time() + 240
@@ -135,6 +135,13 @@ def test_a_signal_saves_a_checkpoint_exits_0_and_the_resume_is_exact(tmp_path, s
     assert proc.returncode == 0, stderr[-3000:]
     assert f"saved {out / 'checkpoint-2'} at iteration 2 of 4; exiting with status 0" in stdout, stdout
     assert "TRAIN RETURNED" not in stdout  # the process exits: a script's next line (save_model, push) never runs
+    return out, stdout
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["sigterm", "sigint"])
+def test_a_signal_saves_a_checkpoint_exits_0_and_the_resume_is_exact(tmp_path, sig):
+    out, _ = signal_at_iteration_2(tmp_path, sig)
     assert sorted(p.name for p in out.glob("checkpoint-*")) == ["checkpoint-2"]  # save_steps=3: only the signal's
 
     resumed = make_trainer(config(out, save_strategy="steps", save_steps=3))
