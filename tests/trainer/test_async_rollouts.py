@@ -16,7 +16,7 @@ from trl_ext import PPOConfig
 from trl_ext.core import off_policy_sequence_mask
 from trl_ext.models import sequence_inputs
 from trl_ext.models.forward import response_logprobs
-from trl_ext.trainer.async_rollouts import DRAWN_FILE, sampler_version
+from trl_ext.trainer.async_rollouts import DRAWN_FILE, AsyncRollouts, sampler_version
 
 sys.path.insert(0, os.path.dirname(__file__))
 from test_faults import signal_at_iteration_2  # noqa: E402
@@ -56,6 +56,33 @@ def test_config_refuses_a_schedule_that_cannot_run():
                      max_staleness=0).vllm_importance_sampling_correction is False
     assert PPOConfig(output_dir="/tmp/x", async_rollouts=True,
                      rollout_logprobs="sampler").vllm_importance_sampling_correction is False
+
+
+def test_a_stopped_sampler_never_hangs_a_checkpoint_and_the_draws_it_made_are_saved():
+    """`AsyncRollouts` with an engine that draws one token per row: after close(), a checkpoint's wait for draws the
+    sampler will not make ends at once with the ones it made."""
+    class Engine:
+        def weights(self, policy, version):
+            return version
+
+        def draw(self, weights, queries, query_mask, step):
+            return queries[:, :1], torch.ones_like(queries[:, :1], dtype=torch.bool), torch.full((len(queries), 1),
+                                                                                                   -float(weights))
+
+        def release(self, weights):
+            pass
+
+    batch = {"input_ids": torch.ones(2, 3, dtype=torch.long), "attention_mask": torch.ones(2, 3)}
+    rollouts = AsyncRollouts(Engine(), iter([batch] * 10), torch.device("cpu"), 0, 10, max_staleness=2,
+                             weight_sync_steps=1)
+    rollouts.start(None)  # version 0 draws batches 0, 1 and 2; batch 3 needs version 1, never published
+    drawn, _ = rollouts.take(2)
+    assert (drawn.step, drawn.version) == (2, 0)
+    rollouts.close()
+    assert not rollouts.thread.is_alive()
+    state = rollouts.state(1)  # batch 1 (version 0) was drawn and not trained yet: saved
+    assert [(d["step"], d["version"]) for d in state["draws"]] == [(1, 0)]
+    assert rollouts.state(3)["draws"] == []  # batches 3 and 4 (versions 1, 2) never will be
 
 
 # --- the off-policy sequence mask -----------------------------------------------------------------------------------

@@ -194,10 +194,10 @@ class AsyncRollouts:
         and the counts behind the metrics."""
         older = [j for j in range(step, self.total_steps) if self.version_of(j) < step]
         with self.condition:
-            while not all(j in self.ready for j in older) and self.error is None:
-                self.condition.wait()
+            while not all(j in self.ready for j in older) and self.error is None and self.thread.is_alive():
+                self.condition.wait(timeout=1.0)  # (a stopped sampler draws no more: what it drew is saved)
             self._raise()
-            draws = [self.ready[j].saved() for j in older]
+            draws = [self.ready[j].saved() for j in older if j in self.ready]
         return {"draws": draws, "trained": self.trained, "dropped": self.dropped, "max_staleness_seen": self.max_seen}
 
     def metrics(self, drawn: Drawn, waited: float) -> dict[str, float]:

@@ -715,15 +715,15 @@ class PPOTrainer(PPOTrainerBase):
         try:
             with Preemption() as preemption:
                 self._train_loop(batches, progress, start_time, start_episode, preemption)
+            progress.close()
+            self.phases.listeners.remove(progress)
+            self.control = self.callback_handler.on_train_end(args, self.state, self.control)
+            if self.control.should_save:  # (a run stopped early: the sampler's older draws still go in)
+                self._save_checkpoint(self.model, trial=None)
+                self.control = self.callback_handler.on_save(args, self.state, self.control)
         finally:
             if self.async_rollouts is not None:  # the sampler stops after its current draw
                 self.async_rollouts.close()
-        progress.close()
-        self.phases.listeners.remove(progress)
-        self.control = self.callback_handler.on_train_end(args, self.state, self.control)
-        if self.control.should_save:
-            self._save_checkpoint(self.model, trial=None)
-            self.control = self.callback_handler.on_save(args, self.state, self.control)
 
     def _next_batch(self, batches):
         """This iteration's prompt batch, and with async_rollouts the sampler thread's draw of it (a `Drawn`, with
