@@ -224,6 +224,24 @@ def test_a_lower_max_staleness_on_resume_drops_the_saved_draws_that_are_too_old(
     assert "max_staleness: 2 -> 1" in capsys.readouterr().out
 
 
+def test_the_sampler_thread_generates_in_the_losss_precision(tmp_path, monkeypatch):
+    """Autocast is per thread: the sampler's thread enters the run's own (bf16 here), as the synchronous draw does."""
+    import threading
+
+    import trl_ext.trainer.sampling as sampling
+
+    seen, generate = [], sampling.generate_responses
+
+    def spy(*args, **kwargs):
+        seen.append((threading.current_thread().name, torch.is_autocast_enabled("cpu"),
+                     torch.get_autocast_dtype("cpu")))
+        return generate(*args, **kwargs)
+
+    monkeypatch.setattr(sampling, "generate_responses", spy)
+    run(tmp_path, async_rollouts=True, bf16=True, use_cpu=True, total_episodes=8)
+    assert seen == [("trl_ext-async-rollouts", True, torch.bfloat16)] * 2
+
+
 def test_a_nan_in_the_sampler_thread_stops_the_run_with_the_trainers_message_and_the_thread(tmp_path):
     t = make_trainer(config(tmp_path, async_rollouts=True))
     with torch.no_grad():
