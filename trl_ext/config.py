@@ -19,7 +19,14 @@ from dataclasses import dataclass, field
 import torch
 
 from ._trl import PPOConfigBase
-from .core import KL_CONTROLLERS, KL_ESTIMATORS, LOSS_AGG_MODES, SAMPLER_CORRECTION_MODES, VALUE_LOSS_TYPES
+from .core import (
+    IMPORTANCE_SAMPLING_LEVELS,
+    KL_CONTROLLERS,
+    KL_ESTIMATORS,
+    LOSS_AGG_MODES,
+    SAMPLER_CORRECTION_MODES,
+    VALUE_LOSS_TYPES,
+)
 from .trainer.allocator import glibc
 
 ROLLOUT_LOGPROBS = ("trainer", "sampler")  # where π_old comes from (PPOConfig.rollout_logprobs)
@@ -163,6 +170,12 @@ class PPOConfig(PPOConfigBase):
         default=None,
         metadata={"help": "Dual-clip bound c > 1 (Ye et al. 2020; veRL's name, 3.0 there): for negative advantages "
                   "the loss is at most -A·c. None: no dual clip (TRL)."},
+    )
+    importance_sampling_level: str = field(
+        default="token",
+        metadata={"help": "'token': PPO's ratio per token; 'sequence': one ratio per response, the geometric mean "
+                  "exp(mean log π_θ/π_old over its tokens), clipped alike (GSPO, Zheng et al. 2025; TRL's GRPO "
+                  "field). GSPO's clip ranges are far narrower: clip_ratio_low 3e-4, clip_ratio_high 4e-4."},
     )
     loss_agg_mode: str = field(
         default="token-mean",
@@ -462,6 +475,9 @@ class PPOConfig(PPOConfigBase):
                f"clip_ratio_c={self.clip_ratio_c} must be > 1 (veRL: 3.0), or None for no dual clip.")
         _check(self.loss_agg_mode in LOSS_AGG_MODES,
                f"loss_agg_mode={self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}.")
+        _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
+               f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
+               f"{IMPORTANCE_SAMPLING_LEVELS}.")
         for name in ("lam_policy", "lam_value"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= 1, f"{name}={value} must be in [0, 1], or None for lam ({self.lam}).")

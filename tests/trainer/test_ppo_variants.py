@@ -77,6 +77,34 @@ def test_dual_clip_by_hand():
     assert clipped_policy_loss(logp, old, adv, mask, 0.2, clip_ratio_c=3.0)[0].item() == pytest.approx(6.0)
 
 
+def test_sequence_level_ratio_by_hand():
+    """GSPO: row 0's log-ratios ln 1.5 and ln 0.5 give one ratio, exp(mean) = √0.75 = 0.866, on both its tokens
+    (A = 1, 1: inside the clip, −0.866 each, and each token's gradient −(A₀ + A₁)·ρ/2 = −0.866); row 1's one token
+    ρ = 1.5 with A = −1: 1.5. Token level would clip the first token (−1.2) and not the second (−0.5). A row whose
+    mean ratio leaves the clip range is clipped whole: no gradient to any of its tokens."""
+    logp = torch.tensor([[math.log(1.5), math.log(0.5)], [math.log(1.5), 0.0]], dtype=torch.float64,
+                        requires_grad=True)
+    old, adv = torch.zeros(2, 2, dtype=torch.float64), torch.tensor([[1.0, 1.0], [-1.0, 0.0]], dtype=torch.float64)
+    mask = torch.tensor([[True, True], [True, False]])
+    loss, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, loss_agg_mode="token-sum",
+                                      importance_sampling_level="sequence")
+    rho = math.sqrt(0.75)
+    assert loss.item() == pytest.approx(-2 * rho + 1.5)
+    loss.backward()
+    torch.testing.assert_close(logp.grad, torch.tensor([[-rho, -rho], [1.5, 0.0]], dtype=torch.float64))
+    assert stats["ratio_max"].item() == pytest.approx(1.5) and stats["ratio_min"].item() == pytest.approx(rho)
+    token, _ = clipped_policy_loss(logp, old, adv, mask, 0.2, loss_agg_mode="token-sum")
+    assert token.item() == pytest.approx(-1.2 - 0.5 + 1.5)
+    high = torch.tensor([[math.log(1.5), math.log(1.3)]], dtype=torch.float64, requires_grad=True)
+    clipped, stats = clipped_policy_loss(high, torch.zeros(1, 2, dtype=torch.float64), torch.ones(1, 2),
+                                         torch.ones(1, 2, dtype=torch.bool), 0.2, loss_agg_mode="token-sum",
+                                         importance_sampling_level="sequence")
+    clipped.backward()
+    assert clipped.item() == pytest.approx(-2.4) and high.grad.abs().sum() == 0 and stats["clipfrac"].item() == 1.0
+    with pytest.raises(ValueError, match="importance_sampling_level='row' is not one of"):
+        clipped_policy_loss(logp, old, adv, mask, 0.2, importance_sampling_level="row")
+
+
 X = torch.tensor([[1.0, 2.0, 9.0], [3.0, 4.0, 5.0]])
 XMASK = torch.tensor([[True, True, False], [True, True, True]])
 
@@ -144,6 +172,7 @@ def test_bad_variant_settings_name_the_value_and_the_fix(tmp_path):
         (dict(vf_loss_type="l1"), "vf_loss_type='l1' is not one of"),
         (dict(vf_huber_delta=0), "vf_huber_delta=0 must be > 0"),
         (dict(vf_coef_end=-1.0), "vf_coef_end=-1.0 must be >= 0"),
+        (dict(importance_sampling_level="row"), "importance_sampling_level='row' is not one of"),
     ]
     for overrides, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -158,10 +187,17 @@ def per_token_rows(mask, loss):
     return [[loss(b, t) for t in range(mask.shape[1]) if mask[b, t]] for b in range(mask.shape[0])]
 
 
-def reference_policy_loss(logp, old, adv, mask, eps_low, eps_high, c, mode, T):
-    """Token by token in Python: max(−Aρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)), then min(·, −A·c) where A < 0."""
+def reference_policy_loss(logp, old, adv, mask, eps_low, eps_high, c, mode, T, level="token"):
+    """Token by token in Python: max(−Aρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)), then min(·, −A·c) where A < 0; at
+    sequence level ρ is the row's exp(mean log-ratio)."""
+    def log_ratio(b, t):
+        if level == "token":
+            return logp[b, t] - old[b, t]
+        real = [s for s in range(mask.shape[1]) if mask[b, s]]
+        return sum(logp[b, s] - old[b, s] for s in real) / len(real)
+
     def loss(b, t):
-        ratio, a = torch.exp(logp[b, t] - old[b, t]), float(adv[b, t])
+        ratio, a = torch.exp(log_ratio(b, t)), float(adv[b, t])
         value = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
         return torch.min(value, torch.tensor(-a * c)) if c is not None and a < 0 else value
 
@@ -205,18 +241,22 @@ def _ragged(seed):
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
-@pytest.mark.parametrize("eps_high, c", [(None, None), (0.28, None), (None, 1.5), (0.28, 1.5)])
-def test_policy_loss_equals_the_reference_loop(mode, eps_high, c):
+@pytest.mark.parametrize("eps_high, c, level", [(None, None, "token"), (0.28, None, "token"), (None, 1.5, "token"),
+                                                (0.28, 1.5, "token"), (None, None, "sequence"),
+                                                (0.28, 1.5, "sequence")])
+def test_policy_loss_equals_the_reference_loop(mode, eps_high, c, level):
     logp, old, adv, mask = _ragged(0)
     loss, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, cliprange_high=eps_high, clip_ratio_c=c,
-                                      loss_agg_mode=mode)
+                                      loss_agg_mode=mode, importance_sampling_level=level)
     (grad,) = torch.autograd.grad(loss, logp)
-    expected = reference_policy_loss(logp, old, adv, mask, 0.2, eps_high or 0.2, c, mode, 6)
+    expected = reference_policy_loss(logp, old, adv, mask, 0.2, eps_high or 0.2, c, mode, 6, level)
     (expected_grad,) = torch.autograd.grad(expected, logp)
     torch.testing.assert_close(loss, expected)
     torch.testing.assert_close(grad, expected_grad)
     assert stats["clipfrac"].item() == pytest.approx(stats["clipfrac_low"].item() + stats["clipfrac_high"].item())
-    assert stats["clipfrac"].item() > 0 and (c is None) == (stats["clipfrac_dual"].item() == 0)
+    assert stats["clipfrac"].item() > 0
+    if level == "token":  # (no row's mean ratio reaches c = 1.5 in these rows)
+        assert (c is None) == (stats["clipfrac_dual"].item() == 0)
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
@@ -259,11 +299,13 @@ VARIANTS = {
     "huber, seq-mean-token-sum-norm": dict(vf_loss_type="huber", vf_huber_delta=0.3,
                                            loss_agg_mode="seq-mean-token-sum-norm"),
     "mse, seq-mean-token-sum": dict(vf_loss_type="mse", loss_agg_mode="seq-mean-token-sum"),
+    "sequence ratio (GSPO)": dict(cliprange=0.01, importance_sampling_level="sequence"),
 }
 
 
 def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, clip_ratio_c=None,
-                     loss_agg_mode="token-mean", vf_loss_type="clipped", vf_huber_delta=1.0):
+                     loss_agg_mode="token-mean", vf_loss_type="clipped", vf_huber_delta=1.0,
+                     importance_sampling_level="token"):
     """Plain PyTorch on fresh models: one SGD step per minibatch on the whole minibatch at once, the losses written
     out (no trl_ext loss function)."""
     tok = tiny_tokenizer()
@@ -279,7 +321,10 @@ def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, 
         logits = policy(input_ids=ids, attention_mask=attention, position_ids=position).logits[:, -T - 1 : -1]
         logp = torch.log_softmax(logits.float() / runs.TEMPERATURE, -1).gather(
             -1, r.responses.masked_fill(~mask, 0)[..., None])[..., 0]
-        ratio, adv = torch.exp(logp - r.logprobs), r.advantages
+        log_ratio, adv = torch.where(mask, logp - r.logprobs, 0.0), r.advantages
+        if importance_sampling_level == "sequence":  # the row's mean log-ratio on each of its tokens
+            log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
+        ratio = torch.exp(log_ratio)
         pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cliprange, 1 + high))
         if clip_ratio_c is not None:
             pg = torch.where(adv < 0, torch.min(pg, -adv * clip_ratio_c), pg)
@@ -445,6 +490,7 @@ def test_a_run_with_every_variant_on_trains_and_logs_them(tmp_path):
     ("decoupled λ", dict(lam_policy=0.9, lam_value=1.0)),
     ("length-adaptive λ", dict(length_adaptive_alpha=0.5)),
     ("mse value loss", dict(vf_loss_type="mse")),
+    ("sequence ratio (GSPO)", dict(importance_sampling_level="sequence")),
 ])
 def test_each_variant_trains(tmp_path, name, overrides):
     first, last = _learned(train(tmp_path, **overrides))
@@ -464,8 +510,9 @@ def test_the_variants_are_command_line_flags(tmp_path):
     (args,) = TrlParser((PPOConfig,)).parse_args_and_config([
         "--output_dir", str(tmp_path), "--bf16", "False", "--clip_ratio_high", "0.28", "--clip_ratio_c", "3",
         "--loss_agg_mode", "seq-mean-token-mean", "--lam_value", "1.0", "--length_adaptive_alpha", "0.05",
-        "--vf_loss_type", "huber", "--vf_huber_delta", "0.5", "--vf_coef_end", "0.01"])
+        "--vf_loss_type", "huber", "--vf_huber_delta", "0.5", "--vf_coef_end", "0.01",
+        "--importance_sampling_level", "sequence"])
     assert (args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, args.lam_value, args.length_adaptive_alpha,
-            args.vf_loss_type, args.vf_huber_delta, args.vf_coef_end) == (
-        0.28, 3.0, "seq-mean-token-mean", 1.0, 0.05, "huber", 0.5, 0.01)
+            args.vf_loss_type, args.vf_huber_delta, args.vf_coef_end, args.importance_sampling_level) == (
+        0.28, 3.0, "seq-mean-token-mean", 1.0, 0.05, "huber", 0.5, 0.01, "sequence")
     assert args.clip_ratio_low is None and args.lam_policy is None  # unset: cliprange and lam

@@ -7,6 +7,7 @@ from .advantages import compute_gae, explained_variance, length_adaptive_lam
 from .kl import KL_ESTIMATORS, estimate_kl
 from .kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, make_kl_controller
 from .losses import (
+    IMPORTANCE_SAMPLING_LEVELS,
     LOSS_AGG_MODES,
     SAMPLER_CORRECTION_MODES,
     VALUE_LOSS_TYPES,
@@ -34,6 +35,7 @@ from .masks import (
 from .rewards import shape_rewards
 
 __all__ = [
+    "IMPORTANCE_SAMPLING_LEVELS",
     "LOSS_AGG_MODES",
     "SAMPLER_CORRECTION_MODES",
     "VALUE_LOSS_TYPES",

@@ -26,6 +26,7 @@ def token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Te
 
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
+IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # one ratio per token (PPO) or per sequence (GSPO)
 
 
 def loss_denominator(response_mask: torch.Tensor, mode: str = "token-mean",
@@ -180,6 +181,7 @@ def clipped_policy_loss(
     cliprange_high: float | None = None,
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
+    importance_sampling_level: str = "token",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip policy loss: aggregate of max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)), ρ = π_θ / π_old; with dual-clip,
     min(that, −A·c) where A < 0.
@@ -189,6 +191,8 @@ def clipped_policy_loss(
     #   with A > 0 can grow further before the clip stops them
     # dual-clip (Ye et al. 2020, https://arxiv.org/abs/1912.09729): for A < 0 the loss −A·ρ is bounded by −A·c,
     #   so a huge ratio on a bad token cannot give an unbounded step (veRL clip_ratio_c)
+    # sequence level (GSPO, Zheng et al. 2025, https://arxiv.org/abs/2507.18071; TRL's importance_sampling_level):
+    #   one ratio per sequence, ρ_b = exp((1/|o_b|) Σ_t log(π_θ/π_old)), for every token of the row, clipped alike
 
     Args:
         logprobs: (B, T) log π_θ of the sampled tokens (with grad).
@@ -201,6 +205,7 @@ def clipped_policy_loss(
         cliprange_high: ε_high > 0; None: ε_low.
         clip_ratio_c: dual-clip bound c > 1; None: off.
         loss_agg_mode: one of LOSS_AGG_MODES.
+        importance_sampling_level: "token" (PPO) or "sequence" (GSPO: the row's geometric-mean ratio).
 
     Returns:
         loss: 0-dim, differentiable.
@@ -208,8 +213,8 @@ def clipped_policy_loss(
             aggregation); "clipfrac" (fraction of real tokens where the clipped term is the active one), split into
             "clipfrac_low" (A < 0, ρ < 1 − ε_low) and "clipfrac_high" (A > 0, ρ > 1 + ε_high); "clipfrac_dual" (A < 0,
             ρ > c: the dual clip active); "approxkl" (k3 estimate of KL(π_old ‖ π_θ) from samples of π_old: with
-            log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ, http://joschu.net/blog/kl-approx.html);
-            "ratio_mean", "ratio_max", "ratio_min" over real tokens.
+            log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ, http://joschu.net/blog/kl-approx.html; per token at
+            either level); "ratio_mean", "ratio_max", "ratio_min" over real tokens (of the ratio the loss uses).
     """
     if not cliprange > 0:
         raise ValueError(f"cliprange={cliprange} must be > 0 (typical: 0.2)")
@@ -219,10 +224,17 @@ def clipped_policy_loss(
     if clip_ratio_c is not None and not clip_ratio_c > 1:
         raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (typical: 3.0), or None for no dual clip")
     _check_agg_mode(loss_agg_mode)
+    if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
+        raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not one of "
+                         f"{IMPORTANCE_SAMPLING_LEVELS}")
     _check_same_shape(response_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     # padding gets log ρ = 0 and A = 0, so garbage there cannot reach the loss or its gradient
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0)
     advantages = torch.where(response_mask, advantages, 0)
+    token_log_ratio = log_ratio
+    if importance_sampling_level == "sequence":  # each row's mean log-ratio on each of its real tokens
+        row_mean = log_ratio.sum(1, keepdim=True) / response_mask.sum(1, keepdim=True).clamp(min=1)
+        log_ratio = torch.where(response_mask, row_mean.expand_as(log_ratio), 0)
     ratio = torch.exp(log_ratio)
     pg_losses = -advantages * ratio
     pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
@@ -249,7 +261,7 @@ def clipped_policy_loss(
             "clipfrac_low": mean((clipped & (advantages < 0)).float()),
             "clipfrac_high": mean((clipped & (advantages > 0)).float()),
             "clipfrac_dual": mean(dual.float()),
-            "approxkl": mean(torch.expm1(log_ratio) - log_ratio),
+            "approxkl": mean(torch.expm1(token_log_ratio) - token_log_ratio),
             "ratio_mean": mean(ratio_d),
             "ratio_max": ratio_d.masked_fill(~response_mask, float("-inf")).max(),
             "ratio_min": ratio_d.masked_fill(~response_mask, float("inf")).min(),

@@ -64,7 +64,8 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
         weights = keep if weights is None else weights * keep
     pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
                                             low, denominator, weights=weights, cliprange_high=high,
-                                            clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode)
+                                            clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode,
+                                            importance_sampling_level=args.importance_sampling_level)
     if keep is not None:
         pg_stats["off_policy_masked"] = masked_mean(1.0 - keep, micro.response_mask, strict=False)
     pg_stats["logprobs"] = new_logprobs.detach()
