@@ -171,6 +171,13 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "Dual-clip bound c > 1 (Ye et al. 2020; veRL's name, 3.0 there): for negative advantages "
                   "the loss is at most -A·c. None: no dual clip (TRL)."},
     )
+    entropy_coef: float = field(
+        default=0.0,
+        metadata={"help": "Entropy bonus: the policy loss minus entropy_coef × the entropy of softmax(logits / "
+                  "temperature) over the response tokens, aggregated as the policy loss is (loss_agg_mode; TRL's "
+                  "GRPO field, which always takes a token mean: the same under token-mean). Keeps the policy from "
+                  "collapsing; costs the entropy's graph in memory. 0: off."},
+    )
     importance_sampling_level: str = field(
         default="token",
         metadata={"help": "'token': PPO's ratio per token; 'sequence': one ratio per response, the geometric mean "
@@ -475,6 +482,9 @@ class PPOConfig(PPOConfigBase):
                f"clip_ratio_c={self.clip_ratio_c} must be > 1 (veRL: 3.0), or None for no dual clip.")
         _check(self.loss_agg_mode in LOSS_AGG_MODES,
                f"loss_agg_mode={self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}.")
+        _check(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0,
+               f"entropy_coef={self.entropy_coef} must be >= 0 (0: no entropy bonus; typical: 1e-3): a negative "
+               "weight would pay the policy to collapse.")
         _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
                f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
                f"{IMPORTANCE_SAMPLING_LEVELS}.")

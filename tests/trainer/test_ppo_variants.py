@@ -173,6 +173,7 @@ def test_bad_variant_settings_name_the_value_and_the_fix(tmp_path):
         (dict(vf_huber_delta=0), "vf_huber_delta=0 must be > 0"),
         (dict(vf_coef_end=-1.0), "vf_coef_end=-1.0 must be >= 0"),
         (dict(importance_sampling_level="row"), "importance_sampling_level='row' is not one of"),
+        (dict(entropy_coef=-0.01), "entropy_coef=-0.01 must be >= 0"),
     ]
     for overrides, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -300,12 +301,13 @@ VARIANTS = {
                                            loss_agg_mode="seq-mean-token-sum-norm"),
     "mse, seq-mean-token-sum": dict(vf_loss_type="mse", loss_agg_mode="seq-mean-token-sum"),
     "sequence ratio (GSPO)": dict(cliprange=0.01, importance_sampling_level="sequence"),
+    "entropy bonus, seq-mean-token-mean": dict(entropy_coef=0.5, loss_agg_mode="seq-mean-token-mean"),
 }
 
 
 def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, clip_ratio_c=None,
                      loss_agg_mode="token-mean", vf_loss_type="clipped", vf_huber_delta=1.0,
-                     importance_sampling_level="token"):
+                     importance_sampling_level="token", entropy_coef=0.0):
     """Plain PyTorch on fresh models: one SGD step per minibatch on the whole minibatch at once, the losses written
     out (no trl_ext loss function)."""
     tok = tiny_tokenizer()
@@ -328,6 +330,8 @@ def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, 
         pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cliprange, 1 + high))
         if clip_ratio_c is not None:
             pg = torch.where(adv < 0, torch.min(pg, -adv * clip_ratio_c), pg)
+        log_p = torch.log_softmax(logits.float() / runs.TEMPERATURE, -1)
+        pg = pg + entropy_coef * (log_p.exp() * log_p).sum(-1)  # − c·H per token, H = −Σ p log p
         hidden = value.model(input_ids=ids, attention_mask=attention, position_ids=position).last_hidden_state
         v = value.score(hidden).squeeze(-1)[:, -T - 1 : -1]
         if vf_loss_type == "clipped":
@@ -491,6 +495,7 @@ def test_a_run_with_every_variant_on_trains_and_logs_them(tmp_path):
     ("length-adaptive λ", dict(length_adaptive_alpha=0.5)),
     ("mse value loss", dict(vf_loss_type="mse")),
     ("sequence ratio (GSPO)", dict(importance_sampling_level="sequence")),
+    ("entropy bonus", dict(entropy_coef=0.01)),
 ])
 def test_each_variant_trains(tmp_path, name, overrides):
     first, last = _learned(train(tmp_path, **overrides))
@@ -511,8 +516,8 @@ def test_the_variants_are_command_line_flags(tmp_path):
         "--output_dir", str(tmp_path), "--bf16", "False", "--clip_ratio_high", "0.28", "--clip_ratio_c", "3",
         "--loss_agg_mode", "seq-mean-token-mean", "--lam_value", "1.0", "--length_adaptive_alpha", "0.05",
         "--vf_loss_type", "huber", "--vf_huber_delta", "0.5", "--vf_coef_end", "0.01",
-        "--importance_sampling_level", "sequence"])
+        "--importance_sampling_level", "sequence", "--entropy_coef", "0.001"])
     assert (args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, args.lam_value, args.length_adaptive_alpha,
-            args.vf_loss_type, args.vf_huber_delta, args.vf_coef_end, args.importance_sampling_level) == (
-        0.28, 3.0, "seq-mean-token-mean", 1.0, 0.05, "huber", 0.5, 0.01, "sequence")
+            args.vf_loss_type, args.vf_huber_delta, args.vf_coef_end, args.importance_sampling_level,
+            args.entropy_coef) == (0.28, 3.0, "seq-mean-token-mean", 1.0, 0.05, "huber", 0.5, 0.01, "sequence", 0.001)
     assert args.clip_ratio_low is None and args.lam_policy is None  # unset: cliprange and lam

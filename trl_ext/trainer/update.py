@@ -23,6 +23,7 @@ from dataclasses import fields
 import torch
 
 from ..core import (
+    aggregate_loss,
     clipped_policy_loss,
     entropy_from_logits,
     loss_denominator,
@@ -41,7 +42,8 @@ from .rollout import Rollout
 def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packing: Packing | None = None):
     """(b, T+1 or L, V) policy logits, or (1, R, V) at a packing's response positions -> (policy loss, its stats,
     mean entropy); the entropy is taken under no_grad in chunks, so nothing but autograd's own reference keeps the
-    logits after this returns."""
+    logits after this returns. With entropy_coef the loss has the entropy bonus −c·H, H aggregated as the policy
+    loss is (loss_agg_mode, veRL's rule), and the entropy keeps its graph: each chunk's softmax until backward."""
     T = micro.responses.shape[1]
     if packing is None:
         response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
@@ -49,11 +51,11 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
     else:
         response_logits, tokens = logits, packing.targets[None]  # (1, R, V), (1, R)
     new_logprobs = token_logprobs(response_logits, tokens, args.temperature, LOGPROB_CHUNK)
-    with torch.no_grad():
-        entropy = entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK)
+    with torch.set_grad_enabled(torch.is_grad_enabled() and bool(args.entropy_coef)):
+        token_entropy = entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK)
     if packing is not None:  # back to (b, T), zeros after the stop token
-        new_logprobs, entropy = packing.responses(new_logprobs[0]), packing.responses(entropy[0])
-    entropy = masked_mean(entropy, micro.response_mask, strict=False)
+        new_logprobs, token_entropy = packing.responses(new_logprobs[0]), packing.responses(token_entropy[0])
+    entropy = masked_mean(token_entropy.detach(), micro.response_mask, strict=False)
     low = args.cliprange if args.clip_ratio_low is None else args.clip_ratio_low
     high = args.cliprange if args.clip_ratio_high is None else args.clip_ratio_high
     weights, keep = micro.sampler_weights, None
@@ -68,6 +70,9 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
                                             importance_sampling_level=args.importance_sampling_level)
     if keep is not None:
         pg_stats["off_policy_masked"] = masked_mean(1.0 - keep, micro.response_mask, strict=False)
+    if args.entropy_coef:  # the bonus: a higher entropy lowers the loss
+        pg_loss = pg_loss - args.entropy_coef * aggregate_loss(token_entropy, micro.response_mask, args.loss_agg_mode,
+                                                               denominator)
     pg_stats["logprobs"] = new_logprobs.detach()
     return pg_loss, pg_stats, entropy
 
