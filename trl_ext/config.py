@@ -178,6 +178,22 @@ class PPOConfig(PPOConfigBase):
                   "GRPO field, which always takes a token mean: the same under token-mean). Keeps the policy from "
                   "collapsing; costs the entropy's graph in memory. 0: off."},
     )
+    beta: float = field(
+        default=0.0,
+        metadata={"help": "KL(π_θ ‖ π_ref) as a loss term (TRL's GRPO field): the policy loss plus beta × the "
+                  "per-token estimate of kl_loss_estimator, aggregated as the policy loss is; beside or instead of "
+                  "the reward penalty kl_coef. 0: off."},
+    )
+    kl_loss_estimator: str = field(
+        default="k3",
+        metadata={"help": "The estimator of the KL loss term (beta): 'k1', 'k2' or 'k3' (GRPO's). As a loss, k2's "
+                  "gradient is the reverse KL's; k3's and k1's are not (docs/ppo-variants.md)."},
+    )
+    use_bias_correction_kl: bool = field(
+        default=True,
+        metadata={"help": "With beta: multiply the KL term by the importance ratio π_θ / π_old, as TRL's GRPO does "
+                  "(its default), so its gradient is taken for the tokens' own distribution."},
+    )
     importance_sampling_level: str = field(
         default="token",
         metadata={"help": "'token': PPO's ratio per token; 'sequence': one ratio per response, the geometric mean "
@@ -485,6 +501,10 @@ class PPOConfig(PPOConfigBase):
         _check(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0,
                f"entropy_coef={self.entropy_coef} must be >= 0 (0: no entropy bonus; typical: 1e-3): a negative "
                "weight would pay the policy to collapse.")
+        _check(math.isfinite(self.beta) and self.beta >= 0,
+               f"beta={self.beta} must be >= 0 (0: no KL loss term; GRPO papers: 0.001-0.04).")
+        _check(self.kl_loss_estimator in KL_ESTIMATORS,
+               f"kl_loss_estimator={self.kl_loss_estimator!r} is not one of {KL_ESTIMATORS}.")
         _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
                f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
                f"{IMPORTANCE_SAMPLING_LEVELS}.")

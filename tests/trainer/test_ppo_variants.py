@@ -174,6 +174,8 @@ def test_bad_variant_settings_name_the_value_and_the_fix(tmp_path):
         (dict(vf_coef_end=-1.0), "vf_coef_end=-1.0 must be >= 0"),
         (dict(importance_sampling_level="row"), "importance_sampling_level='row' is not one of"),
         (dict(entropy_coef=-0.01), "entropy_coef=-0.01 must be >= 0"),
+        (dict(beta=-0.1), "beta=-0.1 must be >= 0"),
+        (dict(kl_loss_estimator="k4"), "kl_loss_estimator='k4' is not one of"),
     ]
     for overrides, match in cases:
         with pytest.raises(ValueError, match=match):
@@ -302,12 +304,17 @@ VARIANTS = {
     "mse, seq-mean-token-sum": dict(vf_loss_type="mse", loss_agg_mode="seq-mean-token-sum"),
     "sequence ratio (GSPO)": dict(cliprange=0.01, importance_sampling_level="sequence"),
     "entropy bonus, seq-mean-token-mean": dict(entropy_coef=0.5, loss_agg_mode="seq-mean-token-mean"),
+    "KL loss k3, bias-corrected": dict(beta=2.0),
+    "KL loss k2, sequence ratio": dict(beta=2.0, kl_loss_estimator="k2", importance_sampling_level="sequence",
+                                       cliprange=0.01),
+    "KL loss k1, no correction": dict(beta=2.0, kl_loss_estimator="k1", use_bias_correction_kl=False),
 }
 
 
 def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, clip_ratio_c=None,
                      loss_agg_mode="token-mean", vf_loss_type="clipped", vf_huber_delta=1.0,
-                     importance_sampling_level="token", entropy_coef=0.0):
+                     importance_sampling_level="token", entropy_coef=0.0, beta=0.0, kl_loss_estimator="k3",
+                     use_bias_correction_kl=True):
     """Plain PyTorch on fresh models: one SGD step per minibatch on the whole minibatch at once, the losses written
     out (no trl_ext loss function)."""
     tok = tiny_tokenizer()
@@ -332,6 +339,9 @@ def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, 
             pg = torch.where(adv < 0, torch.min(pg, -adv * clip_ratio_c), pg)
         log_p = torch.log_softmax(logits.float() / runs.TEMPERATURE, -1)
         pg = pg + entropy_coef * (log_p.exp() * log_p).sum(-1)  # − c·H per token, H = −Σ p log p
+        to_ref = r.ref_logprobs - logp  # log π_ref / π_θ
+        kl = {"k1": -to_ref, "k2": 0.5 * to_ref**2, "k3": torch.exp(to_ref) - to_ref - 1}[kl_loss_estimator]
+        pg = pg + beta * kl * (ratio if use_bias_correction_kl else 1.0)
         hidden = value.model(input_ids=ids, attention_mask=attention, position_ids=position).last_hidden_state
         v = value.score(hidden).squeeze(-1)[:, -T - 1 : -1]
         if vf_loss_type == "clipped":
@@ -452,10 +462,10 @@ def target_share(prompts, completions):
 
 def train(tmp_path, steps=30, **overrides):
     tok = tiny_tokenizer()
-    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, total_episodes=8 * steps,
-                     learning_rate=1e-2, num_ppo_epochs=2, kl_coef=0.01, response_length=4, logging_steps=1,
-                     report_to=[], save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True,
-                     seed=0, **overrides)
+    args = PPOConfig(**{**dict(output_dir=str(tmp_path), per_device_train_batch_size=8, total_episodes=8 * steps,
+                               learning_rate=1e-2, num_ppo_epochs=2, kl_coef=0.01, response_length=4,
+                               logging_steps=1, report_to=[], save_strategy="no", num_sample_generations=0,
+                               bf16=False, disable_tqdm=True, seed=0), **overrides})
     t = PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok), ref_model=None,
                    reward_model=target_share, train_dataset=tiny_prompt_dataset(tok, 16),
                    value_model=tiny_scalar_model(tok))
@@ -496,6 +506,7 @@ def test_a_run_with_every_variant_on_trains_and_logs_them(tmp_path):
     ("mse value loss", dict(vf_loss_type="mse")),
     ("sequence ratio (GSPO)", dict(importance_sampling_level="sequence")),
     ("entropy bonus", dict(entropy_coef=0.01)),
+    ("KL loss", dict(beta=0.04)),
 ])
 def test_each_variant_trains(tmp_path, name, overrides):
     first, last = _learned(train(tmp_path, **overrides))
@@ -504,8 +515,17 @@ def test_each_variant_trains(tmp_path, name, overrides):
 
 def test_defaults_log_no_variant_metric(tmp_path):
     logs = train(tmp_path, steps=1)
-    assert not any(k in logs[0] for k in ("policy/clipfrac_dual_avg", "policy/lam_mean", "val/vf_coef"))
+    assert not any(k in logs[0] for k in ("policy/clipfrac_dual_avg", "policy/lam_mean", "val/vf_coef",
+                                          "policy/kl_loss_avg"))
     assert logs[0]["policy/clipfrac_avg"] == logs[0]["policy/clipfrac_low_avg"] + logs[0]["policy/clipfrac_high_avg"]
+
+
+def test_the_kl_loss_term_is_logged_and_grows_as_the_policy_leaves_the_reference(tmp_path):
+    """k3 of the first minibatch is 0 (the policy is the reference), then positive; the reward penalty is off."""
+    logs = train(tmp_path, steps=4, beta=0.04, kl_coef=0.0)
+    kl = [log["policy/kl_loss_avg"] for log in logs]
+    assert kl[0] >= 0 and all(k > 0 for k in kl[1:]) and kl[-1] > kl[0], kl
+    assert all(log["objective/non_score_reward"] == 0 for log in logs)
 
 
 def test_the_variants_are_command_line_flags(tmp_path):
@@ -516,8 +536,10 @@ def test_the_variants_are_command_line_flags(tmp_path):
         "--output_dir", str(tmp_path), "--bf16", "False", "--clip_ratio_high", "0.28", "--clip_ratio_c", "3",
         "--loss_agg_mode", "seq-mean-token-mean", "--lam_value", "1.0", "--length_adaptive_alpha", "0.05",
         "--vf_loss_type", "huber", "--vf_huber_delta", "0.5", "--vf_coef_end", "0.01",
-        "--importance_sampling_level", "sequence", "--entropy_coef", "0.001"])
+        "--importance_sampling_level", "sequence", "--entropy_coef", "0.001", "--beta", "0.04",
+        "--kl_loss_estimator", "k2", "--use_bias_correction_kl", "false"])
     assert (args.clip_ratio_high, args.clip_ratio_c, args.loss_agg_mode, args.lam_value, args.length_adaptive_alpha,
             args.vf_loss_type, args.vf_huber_delta, args.vf_coef_end, args.importance_sampling_level,
-            args.entropy_coef) == (0.28, 3.0, "seq-mean-token-mean", 1.0, 0.05, "huber", 0.5, 0.01, "sequence", 0.001)
+            args.entropy_coef, args.beta, args.kl_loss_estimator, args.use_bias_correction_kl) == (
+        0.28, 3.0, "seq-mean-token-mean", 1.0, 0.05, "huber", 0.5, 0.01, "sequence", 0.001, 0.04, "k2", False)
     assert args.clip_ratio_low is None and args.lam_policy is None  # unset: cliprange and lam

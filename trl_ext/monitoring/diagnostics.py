@@ -163,6 +163,7 @@ TOKEN_STATS = ("policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", 
                "policy/entropy_avg", "val/ratio", "policy/clipfrac_low_avg", "policy/clipfrac_high_avg")
 DUAL_CLIP_STATS = ("policy/clipfrac_dual_avg",)  # with clip_ratio_c
 OFF_POLICY_MASK_STATS = ("policy/off_policy_masked_frac",)  # with off_policy_mask_threshold: tokens masked
+KL_LOSS_STATS = ("policy/kl_loss_avg",)  # with beta: the KL loss term's per-token estimate
 
 
 class UpdateStats:

@@ -26,6 +26,7 @@ from ..core import (
     aggregate_loss,
     clipped_policy_loss,
     entropy_from_logits,
+    estimate_kl,
     loss_denominator,
     masked_mean,
     off_policy_sequence_mask,
@@ -34,7 +35,13 @@ from ..core import (
 )
 from ..data.batches import balanced_partition
 from ..models import LOGPROB_CHUNK, Packing, model_input_ids, sequence_inputs
-from ..monitoring.diagnostics import DUAL_CLIP_STATS, OFF_POLICY_MASK_STATS, TOKEN_STATS, UpdateStats
+from ..monitoring.diagnostics import (
+    DUAL_CLIP_STATS,
+    KL_LOSS_STATS,
+    OFF_POLICY_MASK_STATS,
+    TOKEN_STATS,
+    UpdateStats,
+)
 from .backend import Backend
 from .rollout import Rollout
 
@@ -73,8 +80,26 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
     if args.entropy_coef:  # the bonus: a higher entropy lowers the loss
         pg_loss = pg_loss - args.entropy_coef * aggregate_loss(token_entropy, micro.response_mask, args.loss_agg_mode,
                                                                denominator)
+    if args.beta:  # KL(π_θ ‖ π_ref) as a loss term (GRPO's), aggregated as the policy loss is
+        kl = kl_loss_terms(new_logprobs, micro, args)
+        pg_loss = pg_loss + args.beta * aggregate_loss(kl, micro.response_mask, args.loss_agg_mode, denominator)
+        pg_stats["kl_loss"] = masked_mean(kl.detach(), micro.response_mask, strict=False)
     pg_stats["logprobs"] = new_logprobs.detach()
     return pg_loss, pg_stats, entropy
+
+
+def kl_loss_terms(logprobs: torch.Tensor, micro: Rollout, args) -> torch.Tensor:
+    """(b, T) per-token estimates of KL(π_θ ‖ π_ref) (`kl_loss_estimator`) from tokens drawn by π_old; with
+    use_bias_correction_kl multiplied by the importance ratio π_θ / π_old (per sequence with
+    importance_sampling_level="sequence"), with its gradient, as TRL's GRPO does."""
+    kl = estimate_kl(logprobs, micro.ref_logprobs, args.kl_loss_estimator)
+    if args.use_bias_correction_kl:
+        log_ratio = torch.where(micro.response_mask, logprobs - micro.logprobs, 0)
+        if args.importance_sampling_level == "sequence":
+            mask = micro.response_mask
+            log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(kl)
+        kl = kl * torch.exp(log_ratio)
+    return kl
 
 
 def value_terms(values: torch.Tensor, micro: Rollout, args, denominator, packing: Packing | None = None):
@@ -148,7 +173,8 @@ class PPOUpdate:
         weights nor its optimizer state change; only the value model learns."""
         args, accelerator, backend = self.args, self.backend.accelerator, self.backend
         stats = UpdateStats(TOKEN_STATS + (DUAL_CLIP_STATS if args.clip_ratio_c is not None else ())
-                            + (OFF_POLICY_MASK_STATS if args.off_policy_mask_threshold is not None else ()))
+                            + (OFF_POLICY_MASK_STATS if args.off_policy_mask_threshold is not None else ())
+                            + (KL_LOSS_STATS if args.beta else ()))
         B, mini_size = args.local_batch_size, args.local_mini_batch_size
         # accelerate divides each backward by its accumulation steps, DDP averages gradients over processes
         loss_scale = accelerator.gradient_accumulation_steps * accelerator.num_processes
@@ -230,7 +256,8 @@ class PPOUpdate:
             "val/ratio": pg_stats["ratio_mean"], "policy/clipfrac_low_avg": pg_stats["clipfrac_low"],
             "policy/clipfrac_high_avg": pg_stats["clipfrac_high"],
             "policy/clipfrac_dual_avg": pg_stats["clipfrac_dual"],
-            "policy/off_policy_masked_frac": pg_stats.get("off_policy_masked")})
+            "policy/off_policy_masked_frac": pg_stats.get("off_policy_masked"),
+            "policy/kl_loss_avg": pg_stats.get("kl_loss")})
 
     def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
                 vf_coef: float, packing: Packing | None = None):
