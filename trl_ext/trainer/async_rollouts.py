@@ -40,7 +40,7 @@ from dataclasses import dataclass
 
 import torch
 
-from .seeds import rollout_seed
+from .seeds import request_seeds, rollout_seed
 
 DRAWN_FILE = "async_rollouts_{process}.pt"  # in a checkpoint: the batches drawn with versions older than it
 
@@ -109,8 +109,7 @@ class ServerSampler:
         return self.server.load_version(policy, version)
 
     def draw(self, weights: str, queries: torch.Tensor, query_mask: torch.Tensor, step: int):
-        first = rollout_seed(self.sampler.local_seed, step)
-        seeds = [(first + i) % 2**31 for i in range(queries.shape[0])]
+        seeds = request_seeds(rollout_seed(self.sampler.local_seed, step), queries.shape[0])
         return self.sampler.masked(*self.server.generate(queries, query_mask, seeds, adapter_name=weights))
 
     def release(self, weights: str) -> None:

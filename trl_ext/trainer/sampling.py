@@ -21,7 +21,7 @@ import torch
 from ..core import response_mask_from_stop
 from ..models import Sampling, generate_responses
 from .backend import Backend, Reference
-from .seeds import rollout_seed, vllm_stream_seed
+from .seeds import request_seeds, rollout_seed, vllm_stream_seed
 
 
 class ResponseSampler:
@@ -65,7 +65,7 @@ class ResponseSampler:
         """Like `generate`, by the vLLM engine once it holds step `step`'s weights; request i seeded with seed + i.
         `adapter=False`: the LoRA policy's base, its reference, samples."""
         self.vllm.sync(self.backend.unwrap().policy, version=step)
-        seeds = [(seed + i) % 2**31 for i in range(queries.shape[0])]
+        seeds = request_seeds(seed, queries.shape[0])
         return self.masked(*self.vllm.generate(queries, query_mask, seeds, adapter=adapter))
 
     def rollout_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, step: int):

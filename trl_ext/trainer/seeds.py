@@ -27,3 +27,8 @@ def rollout_seed(local_seed: int, step: int) -> int:
 def vllm_stream_seed(stream_seed: int) -> int:
     """The first vLLM request seed of an RNG stream (an evaluation batch's), row i adding i."""
     return stream_seed * VLLM_REQUEST
+
+
+def request_seeds(first: int, rows: int) -> list[int]:
+    """vLLM's per-request seeds of a draw whose first seed is `first`: row i gets first + i, in vLLM's int32 range."""
+    return [(first + i) % 2**31 for i in range(rows)]
