@@ -24,7 +24,9 @@ from .core import (
     KL_CONTROLLERS,
     KL_ESTIMATORS,
     LOSS_AGG_MODES,
+    MULTI_OBJECTIVE_AGGREGATIONS,
     SAMPLER_CORRECTION_MODES,
+    SCALE_REWARDS,
     VALUE_LOSS_TYPES,
 )
 from .trainer.allocator import glibc
@@ -143,6 +145,12 @@ class PPOConfig(PPOConfigBase):
         default=0,
         metadata={"help": "PPO iterations at the start that train only the value model (the policy does not move)."},
     )
+    critic_warmup_explained_variance: float | None = field(
+        default=None,
+        metadata={"help": "VAPO's value pretraining to a criterion: the critic warmup (at most critic_warmup_steps "
+                  "iterations) ends at the first rollout whose val/explained_variance reaches this (e.g. 0.5); that "
+                  "rollout already updates the policy. None: critic_warmup_steps iterations."},
+    )
     value_model_init: str = field(
         default="given",
         metadata={"help": "'given' (the value_model argument), 'reward_model' (a copy of it) or 'policy' (the "
@@ -200,6 +208,52 @@ class PPOConfig(PPOConfigBase):
                   "exp(mean log π_θ/π_old over its tokens), clipped alike (GSPO, Zheng et al. 2025; TRL's GRPO "
                   "field). GSPO's clip ranges are far narrower: clip_ratio_low 3e-4, clip_ratio_high 4e-4."},
     )
+    num_generations: int = field(
+        default=1,
+        metadata={"help": "Completions drawn per prompt (TRL's GRPO field). The batch fields count completions, as "
+                  "in TRL's GRPO: a rollout batch of per_device_train_batch_size × gradient_accumulation_steps "
+                  "completions holds that / num_generations prompts, each group on one process; an episode is one "
+                  "completion (total_episodes unset: num_train_epochs × dataset size × num_generations). Advantages "
+                  "stay GAE's unless group_advantage_weight is set. 1: one completion per prompt (TRL's PPO)."},
+    )
+    group_advantage_weight: float = field(
+        default=0.0,
+        metadata={"help": "w in [0, 1]: each token's advantage is (1 − w) × the whitened GAE advantage + w × its "
+                  "completion's group-relative advantage (GRPO's: the score minus its group's mean, over scale_rewards' "
+                  "std), the group baseline mixed in. 1: GRPO's advantage, the critic still trained. Needs "
+                  "num_generations >= 2. 0: GAE alone."},
+    )
+    scale_rewards: str = field(
+        default="group",
+        metadata={"help": "The group advantage's divisor (TRL's GRPO field and values): 'group' (each group's std), "
+                  "'batch' (the whole rollout batch's std, Dr. GRPO / LitePPO) or 'none' (no division); true/false "
+                  "mean 'group'/'none' as in TRL. Applies with group_advantage_weight."},
+    )
+    multi_objective_aggregation: str = field(
+        default="sum_then_normalize",
+        metadata={"help": "With several reward functions (TRL's GRPO field and values): 'sum_then_normalize' (the "
+                  "weighted sum of the scores, then the group advantage) or 'normalize_then_sum' (GDPO: each score "
+                  "normalised within its group, then the weighted sum, normalised over the batch). Applies with "
+                  "group_advantage_weight."},
+    )
+    dynamic_sampling: bool = field(
+        default=False,
+        metadata={"help": "DAPO's dynamic sampling (Yu et al. 2025): groups whose completions all get the same score "
+                  "are dropped and more prompts drawn until the batch is full of groups that differ, at most "
+                  "max_num_gen_batches draws per rollout; then constant groups of the first draw fill what is left "
+                  "(their share: rollout/frac_reward_zero_std). Needs num_generations >= 2."},
+    )
+    max_num_gen_batches: int = field(
+        default=4,
+        metadata={"help": "With dynamic_sampling: draws of a rollout batch's worth of prompts per rollout, the first "
+                  "included (veRL's name; DAPO's bound)."},
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Completions cut at response_length without a stop token leave the policy loss: its terms "
+                  "and its denominator (TRL's GRPO field); the critic still learns their value. The share left "
+                  "out is rollout/truncation_rate."},
+    )
     loss_agg_mode: str = field(
         default="token-mean",
         metadata={"help": "How per-token losses become one (veRL's names): 'token-mean' (TRL), 'token-sum', "
@@ -234,6 +288,17 @@ class PPOConfig(PPOConfigBase):
         default=None,
         metadata={"help": "Weights of the rewards when reward_model is a list (default: all 1.0); the score is the "
                   "weighted sum."},
+    )
+    overlong_buffer_len: int | None = field(
+        default=None,
+        metadata={"help": "DAPO's soft overlong punishment (Yu et al. 2025, eq. 13; OpenRLHF's name): a reward source "
+                  "added to the others, 0 up to response_length − overlong_buffer_len tokens, then falling linearly "
+                  "to −overlong_penalty_factor at response_length (TRL's trl.rewards.get_soft_overlong_punishment, "
+                  "weighted). None: off."},
+    )
+    overlong_penalty_factor: float = field(
+        default=1.0,
+        metadata={"help": "The soft overlong punishment's weight (its score at response_length is minus this)."},
     )
     reward_norm: str = field(
         default="none",
@@ -378,9 +443,15 @@ class PPOConfig(PPOConfigBase):
         default=True,
         metadata={"help": "Watch the metrics for PPO's failure modes and warn (trl_ext/monitoring/alarms.py)."},
     )
+    alarm_profile: str = field(
+        default="rlhf",
+        metadata={"help": "The alarms' thresholds for the kind of run (trl_ext.monitoring.alarms.ALARM_PROFILES): "
+                  "'rlhf' (a learned reward model) or 'verifiable' (a reward with a right answer, where the entropy "
+                  "falls and the KL grows as the policy converges); alarm_thresholds override single values."},
+    )
     alarm_thresholds: dict | str | None = field(
         default=None,
-        metadata={"help": "Overrides of the alarm thresholds, as a dict or a JSON string, e.g. "
+        metadata={"help": "Overrides of the alarm profile's thresholds, as a dict or a JSON string, e.g. "
                   "'{\"clipfrac_max\": 0.4}'. See trl_ext.monitoring.alarms.AlarmThresholds for the names."},
     )
     on_nonfinite: str = field(
@@ -508,6 +579,34 @@ class PPOConfig(PPOConfigBase):
         _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
                f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
                f"{IMPORTANCE_SAMPLING_LEVELS}.")
+        _check(self.num_generations >= 1, f"num_generations={self.num_generations} must be >= 1 (GRPO: 8).")
+        _check(0 <= self.group_advantage_weight <= 1,
+               f"group_advantage_weight={self.group_advantage_weight} must be in [0, 1] (0: GAE alone, 1: GRPO's).")
+        _check(not (self.group_advantage_weight and self.num_generations < 2),
+               f"group_advantage_weight={self.group_advantage_weight} needs groups: set num_generations >= 2 (it is "
+               f"{self.num_generations}).")
+        if isinstance(self.scale_rewards, bool):  # TRL's bool values
+            self.scale_rewards = "group" if self.scale_rewards else "none"
+        if isinstance(self.scale_rewards, str) and self.scale_rewards.lower() in ("true", "false"):
+            self.scale_rewards = "group" if self.scale_rewards.lower() == "true" else "none"
+        _check(self.scale_rewards in SCALE_REWARDS,
+               f"scale_rewards={self.scale_rewards!r} is not one of {SCALE_REWARDS} (or true/false).")
+        _check(self.multi_objective_aggregation in MULTI_OBJECTIVE_AGGREGATIONS,
+               f"multi_objective_aggregation={self.multi_objective_aggregation!r} is not one of "
+               f"{MULTI_OBJECTIVE_AGGREGATIONS}.")
+        for name, default in (("scale_rewards", "group"), ("multi_objective_aggregation", "sum_then_normalize")):
+            _check(self.group_advantage_weight or getattr(self, name) == default,
+                   f"{name}={getattr(self, name)!r} shapes the group advantage, which is off "
+                   "(group_advantage_weight=0): set group_advantage_weight > 0, or drop the setting.")
+        _check(not (self.multi_objective_aggregation == "normalize_then_sum" and self.missing_eos_penalty),
+               f"multi_objective_aggregation='normalize_then_sum' normalises each reward's raw score, so "
+               f"missing_eos_penalty={self.missing_eos_penalty} would not reach the group advantage: drop it, or "
+               "score the missing stop with a reward function of its own.")
+        _check(not (self.dynamic_sampling and self.num_generations < 2),
+               f"dynamic_sampling=True drops groups whose completions all score the same: set num_generations >= 2 "
+               f"(it is {self.num_generations}).")
+        _check(self.max_num_gen_batches >= 1, f"max_num_gen_batches={self.max_num_gen_batches} must be >= 1 (the "
+               "first draw included; DAPO-style runs: 3-10).")
         for name in ("lam_policy", "lam_value"):
             value = getattr(self, name)
             _check(value is None or 0 <= value <= 1, f"{name}={value} must be in [0, 1], or None for lam ({self.lam}).")
@@ -552,6 +651,10 @@ class PPOConfig(PPOConfigBase):
                f"kl_target={self.kl_target} must be a positive number of nats per sequence (typical: 6.0).")
         _check(self.kl_horizon > 0, f"kl_horizon={self.kl_horizon} must be > 0 rollouts (typical: 10000).")
         _check(self.critic_warmup_steps >= 0, f"critic_warmup_steps={self.critic_warmup_steps} must be >= 0.")
+        _check(self.critic_warmup_explained_variance is None or (
+                   self.critic_warmup_explained_variance <= 1 and self.critic_warmup_steps > 0),
+               f"critic_warmup_explained_variance={self.critic_warmup_explained_variance} needs a value <= 1 (VAPO-"
+               f"style: 0.5) and critic_warmup_steps > 0 as its cap (it is {self.critic_warmup_steps}).")
         _check(self.value_model_init in VALUE_MODEL_INITS,
                f"value_model_init={self.value_model_init!r} is not one of {VALUE_MODEL_INITS}.")
         _check(self.value_head_init is None or self.value_head_init in VALUE_HEAD_INITS,
@@ -610,6 +713,9 @@ class PPOConfig(PPOConfigBase):
         _check(self.off_policy_mask_threshold is None or self.off_policy_mask_threshold >= 0,
                f"off_policy_mask_threshold={self.off_policy_mask_threshold} must be >= 0 (DeepSeek-V3.2: e.g. 0.5), or "
                "None for no mask.")
+        _check(not (self.dynamic_sampling and self.async_rollouts),
+               "dynamic_sampling=True draws more prompts while the rollout is scored, which the sampler thread of "
+               "async_rollouts=True does not: set one of them to False.")
 
     def _check_rewards_and_alarms(self) -> None:
         """The alarms' thresholds (a JSON string from the command line is parsed here), the score conditioning, the
@@ -620,10 +726,11 @@ class PPOConfig(PPOConfigBase):
             except json.JSONDecodeError as e:
                 raise ValueError(f"alarm_thresholds={self.alarm_thresholds!r} is not valid JSON ({e}); pass e.g. "
                                  "'{\"clipfrac_max\": 0.4}'.") from e
-        if self.alarm_thresholds is not None:
-            from .monitoring.alarms import AlarmThresholds
+        from .monitoring.alarms import ALARM_PROFILES, profile_thresholds
 
-            AlarmThresholds.from_dict(self.alarm_thresholds)  # unknown names and bad values: a clear ValueError
+        _check(self.alarm_profile in ALARM_PROFILES,
+               f"alarm_profile={self.alarm_profile!r} is not one of {tuple(ALARM_PROFILES)}.")
+        profile_thresholds(self.alarm_profile, self.alarm_thresholds)  # unknown names and bad values: a ValueError
         _check(self.reward_norm in ("none", "running", "fixed"),
                f"reward_norm={self.reward_norm!r} is not one of ('none', 'running', 'fixed').")
         _check(math.isfinite(self.reward_norm_std) and self.reward_norm_std > 0,
@@ -631,6 +738,14 @@ class PPOConfig(PPOConfigBase):
         _check(math.isfinite(self.reward_norm_mean), f"reward_norm_mean={self.reward_norm_mean} must be finite.")
         _check(self.reward_clip is None or self.reward_clip > 0,
                f"reward_clip={self.reward_clip} must be > 0, or None for no clipping.")
+        _check(self.overlong_buffer_len is None or 1 <= self.overlong_buffer_len <= self.response_length,
+               f"overlong_buffer_len={self.overlong_buffer_len} must be in [1, response_length={self.response_length}] "
+               "(DAPO: a quarter of the length), or None for no overlong punishment.")
+        _check(math.isfinite(self.overlong_penalty_factor) and self.overlong_penalty_factor >= 0,
+               f"overlong_penalty_factor={self.overlong_penalty_factor} must be >= 0 (DAPO: 1.0).")
+        _check(self.overlong_buffer_len is not None or self.overlong_penalty_factor == 1.0,
+               f"overlong_penalty_factor={self.overlong_penalty_factor} weights the overlong punishment, which is off: "
+               "set overlong_buffer_len too, or drop the setting.")
         _check(self.reward_weights is None or all(math.isfinite(float(w)) for w in self.reward_weights),
                f"reward_weights={self.reward_weights} must be finite numbers, one per reward.")
         _check(self.max_prompt_length is None or self.max_prompt_length >= 1,

@@ -139,7 +139,7 @@ def test_max_staleness_1_trains_one_version_old_with_the_hand_computed_correctio
     t = make_trainer(config(tmp_path, async_rollouts=True, max_staleness=1, total_episodes=20,
                             vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1e6))
     versions, rollouts = {}, []
-    weights, phase = t.async_engine.weights, t.rollout_phase
+    weights, phase = t.async_engine.weights, t.rollout
 
     def keep_weights(policy, version):  # the trained tensors of every version the sampler gets
         got = weights(policy, version)
@@ -150,7 +150,7 @@ def test_max_staleness_1_trains_one_version_old_with_the_hand_computed_correctio
         rollouts.append(phase(*args, **kwargs))
         return rollouts[-1]
 
-    t.async_engine.weights, t.rollout_phase = keep_weights, keep_rollout
+    t.async_engine.weights, t.rollout = keep_weights, keep_rollout
     t.train()
 
     log = t.async_rollouts.log

@@ -16,7 +16,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from trl_ext import PPOConfig, PPOTrainer
+from trl_ext import PPOConfig, PPOTrainer, Rollout
 from trl_ext.core import (
     LOSS_AGG_MODES,
     aggregate_loss,
@@ -351,12 +351,15 @@ def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, 
             vf = 0.5 * (v - r.returns) ** 2
         else:
             vf = F.huber_loss(v, r.returns, reduction="none", delta=vf_huber_delta)
-        lengths, n_seq = mask.sum(1, keepdim=True), (mask.sum(1) > 0).sum()
-        weights = {"token-mean": mask / mask.sum(), "token-sum": mask * 1.0, "seq-mean-token-sum": mask / n_seq,
-                   "seq-mean-token-mean": mask / lengths.clamp(min=1) / n_seq,
-                   "seq-mean-token-sum-norm": mask / (n_seq * 6)}[loss_agg_mode]  # response_length 6
+        def weights(mask):
+            lengths, n_seq = mask.sum(1, keepdim=True), (mask.sum(1) > 0).sum()
+            return {"token-mean": mask / mask.sum(), "token-sum": mask * 1.0, "seq-mean-token-sum": mask / n_seq,
+                    "seq-mean-token-mean": mask / lengths.clamp(min=1) / n_seq,
+                    "seq-mean-token-sum-norm": mask / (n_seq * 6)}[loss_agg_mode]  # response_length 6
+
+        policy_mask = mask if r.policy_mask is None else r.policy_mask  # mask_truncated_completions
         sgd.zero_grad()
-        (((pg + runs.VF_COEF * vf) * weights)[mask]).sum().backward()
+        ((pg * weights(policy_mask))[policy_mask].sum() + (runs.VF_COEF * vf * weights(mask))[mask].sum()).backward()
         sgd.step()
     return runs.flat(policy, value)
 
@@ -391,6 +394,26 @@ def test_the_update_with_a_variant_is_the_reference_for_any_accumulation(tmp_pat
         assert "policy/clipfrac_dual_avg" not in metrics
     assert metrics["policy/clipfrac_avg"] == pytest.approx(
         metrics["policy/clipfrac_low_avg"] + metrics["policy/clipfrac_high_avg"], abs=1e-6)
+
+
+@pytest.mark.parametrize("overrides", [dict(), dict(loss_agg_mode="seq-mean-token-mean", entropy_coef=0.5, beta=2.0)])
+def test_rows_out_of_the_policy_loss_leave_its_terms_and_denominator(tmp_path, rollout, overrides):
+    """mask_truncated_completions: rows 1 and 5 (their policy mask all False) give the policy loss, its entropy bonus
+    and KL term nothing and are not counted in their denominators; the value loss keeps every row."""
+    keep = torch.ones(B, dtype=torch.bool)
+    keep[[1, 5]] = False
+    masked = Rollout(**{**vars(rollout), "policy_mask": rollout.response_mask & keep[:, None]})
+    expected = reference_update(masked, minibatch_order(7, 2), **overrides)
+    assert (expected - reference_update(rollout, minibatch_order(7, 2), **overrides)).abs().max() > 1e-4
+    for ga in (1, 2, 4):
+        tok = tiny_tokenizer()
+        policy, value = runs.models(tok)
+        t = runs.trainer(str(tmp_path / str(ga)), tok, policy, value, rows=B, ga=ga, minibatches=2,
+                         mask_truncated_completions=True, **overrides)
+        torch.manual_seed(7)
+        t.ppo_update(masked)
+        torch.testing.assert_close(runs.flat(policy, value), expected, rtol=0, atol=1e-5,
+                                   msg=lambda m, ga=ga: f"ga={ga}: {m}")
 
 
 @pytest.mark.slow
@@ -507,6 +530,7 @@ def test_a_run_with_every_variant_on_trains_and_logs_them(tmp_path):
     ("sequence ratio (GSPO)", dict(importance_sampling_level="sequence")),
     ("entropy bonus", dict(entropy_coef=0.01)),
     ("KL loss", dict(beta=0.04)),
+    ("truncated completions masked", dict(mask_truncated_completions=True)),
 ])
 def test_each_variant_trains(tmp_path, name, overrides):
     first, last = _learned(train(tmp_path, **overrides))

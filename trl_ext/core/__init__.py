@@ -4,6 +4,7 @@ Shapes: B = batch, T = response length, V = vocab. `response_mask` is bool (B, T
 token, left-aligned (real tokens are a prefix of each row).
 """
 from .advantages import compute_gae, explained_variance, length_adaptive_lam
+from .groups import MULTI_OBJECTIVE_AGGREGATIONS, SCALE_REWARDS, constant_groups, group_advantages
 from .kl import KL_ESTIMATORS, estimate_kl
 from .kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController, make_kl_controller
 from .losses import (
@@ -36,6 +37,8 @@ from .rewards import shape_rewards
 
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
+    "MULTI_OBJECTIVE_AGGREGATIONS",
+    "SCALE_REWARDS",
     "LOSS_AGG_MODES",
     "SAMPLER_CORRECTION_MODES",
     "VALUE_LOSS_TYPES",
@@ -48,9 +51,11 @@ __all__ = [
     "clipped_policy_loss",
     "clipped_value_loss",
     "compute_gae",
+    "constant_groups",
     "entropy_from_logits",
     "estimate_kl",
     "explained_variance",
+    "group_advantages",
     "last_true_index",
     "length_adaptive_lam",
     "logprobs_from_logits",

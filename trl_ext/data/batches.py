@@ -8,22 +8,29 @@ from torch.utils.data import Sampler
 
 
 class PromptBatches(Sampler[list[int]]):
-    """Yields, forever, this process's share of each rollout batch.
+    """Yields, forever, this process's share of each rollout batch: dataset indices, each prompt `num_generations`
+    times in a row (its group).
 
     Each data epoch e is a permutation of the dataset drawn from `seed + e`; it is cut into global batches of
-    `local_batch_size x world_size` prompts (a ragged tail is dropped), and process `rank` takes its slice of each.
-    `start_batch` skips the batches a resumed run has already used (iteration k uses global batch k).
+    `local_batch_size x world_size / num_generations` prompts (a ragged tail is dropped), and process `rank` takes its
+    slice of each. `start_batch` skips the batches a resumed run has already used (iteration k uses global batch k).
     """
 
     def __init__(self, num_prompts: int, local_batch_size: int, world_size: int = 1, rank: int = 0, seed: int = 0,
-                 shuffle: bool = True, start_batch: int = 0):
-        self.global_batch_size = local_batch_size * world_size
+                 shuffle: bool = True, start_batch: int = 0, num_generations: int = 1):
+        if local_batch_size % num_generations:
+            raise ValueError(f"The per-process rollout batch of {local_batch_size} completions (per_device_train_"
+                             f"batch_size x gradient_accumulation_steps) does not split into groups of num_generations="
+                             f"{num_generations}: each prompt's group stays on one process. Make it a multiple.")
+        self.local_prompts = local_batch_size // num_generations
+        self.global_batch_size = self.local_prompts * world_size
         if num_prompts < self.global_batch_size:
-            raise ValueError(f"The dataset has {num_prompts} prompts, fewer than one rollout batch "
-                             f"({self.global_batch_size} = per_device_train_batch_size x gradient_accumulation_steps "
-                             "x processes); lower the batch size or add prompts.")
+            raise ValueError(f"The dataset has {num_prompts} prompts, fewer than one rollout batch's "
+                             f"{self.global_batch_size} (per_device_train_batch_size x gradient_accumulation_steps "
+                             "x processes / num_generations); lower the batch size or add prompts.")
         self.num_prompts, self.local_batch_size, self.rank = num_prompts, local_batch_size, rank
         self.seed, self.shuffle, self.start_batch = seed, shuffle, start_batch
+        self.num_generations = num_generations
         self.batches_per_epoch = num_prompts // self.global_batch_size
 
     def _order(self, epoch: int) -> torch.Tensor:
@@ -31,15 +38,26 @@ class PromptBatches(Sampler[list[int]]):
             return torch.arange(self.num_prompts)
         return torch.randperm(self.num_prompts, generator=torch.Generator().manual_seed(self.seed + epoch))
 
+    def _share(self, order: torch.Tensor, start: int) -> list[int]:
+        """This process's prompts of the global batch at `start` in `order`, each repeated num_generations times."""
+        start += self.rank * self.local_prompts
+        return order[start : start + self.local_prompts].repeat_interleave(self.num_generations).tolist()
+
     def __iter__(self):
         batch, epoch, order = self.start_batch, None, None
         while True:
             e, i = divmod(batch, self.batches_per_epoch)
             if e != epoch:
                 epoch, order = e, self._order(e)
-            start = i * self.global_batch_size + self.rank * self.local_batch_size
-            yield order[start : start + self.local_batch_size].tolist()
+            yield self._share(order, i * self.global_batch_size)
             batch += 1
+
+    def extra(self, seed: int) -> list[int]:
+        """A further draw of prompts (dynamic sampling's refills): this process's share of a batch from a permutation
+        of its own, seeded by `seed` alone (`trainer.seeds.extra_draw_seed`: from the iteration and the draw), so the
+        main order, and a resumed run's refills, are the uninterrupted run's."""
+        generator = torch.Generator().manual_seed(seed)
+        return self._share(torch.randperm(self.num_prompts, generator=generator), 0)
 
 
 def token_budget_groups(lengths: list[int], budget: int, groups: int | None = None) -> list[list[int]]:

@@ -62,6 +62,21 @@ def evaluation_metrics(table: torch.Tensor) -> dict:
     return out
 
 
+def value_fit(r: Rollout, gather: Gather = _identity) -> tuple[float, float]:
+    """The critic against the rollout's returns over the real tokens of every process: (explained variance, mean
+    squared error)."""
+    mask = r.response_mask
+    # per-process sums over real tokens: n, Σ returns, Σ returns², Σ d, Σ d², d = returns − V
+    ret, d = r.returns[mask].double(), (r.returns - r.values)[mask].double()
+    sums = gather(torch.stack([torch.tensor(float(ret.numel()), dtype=torch.float64, device=ret.device),
+                               ret.sum(), (ret**2).sum(), d.sum(), (d**2).sum()])[None]).sum(0)
+    n, s_ret, s_ret2, s_d, s_d2 = sums.tolist()
+    var_ret = s_ret2 / n - (s_ret / n) ** 2
+    var_d = s_d2 / n - (s_d / n) ** 2
+    # 1 − Var(returns − V) / Var(returns); 0.0 when the returns do not vary (as core.explained_variance)
+    return (1.0 - var_d / var_ret if var_ret > 1e-12 else 0.0), s_d2 / n
+
+
 def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gather: Gather = _identity) -> dict:
     """Metrics of one rollout batch (see the README's metric table for meaning and healthy ranges)."""
     mask = r.response_mask
@@ -83,15 +98,7 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
                                truncated.float(), stopped.float(), real, width], 1).float())
     scores, kl_seq, kl_k1, kl_k3, entropy_seq, lengths, truncated, stopped, real, width = rows.unbind(1)
 
-    # value statistics from per-process sums over real tokens: n, Σ returns, Σ returns², Σ d, Σ d², d = returns − V
-    ret, d = r.returns[mask].double(), (r.returns - r.values)[mask].double()
-    sums = gather(torch.stack([torch.tensor(float(ret.numel()), dtype=torch.float64, device=ret.device),
-                               ret.sum(), (ret**2).sum(), d.sum(), (d**2).sum()])[None]).sum(0)
-    n, s_ret, s_ret2, s_d, s_d2 = sums.tolist()
-    var_ret = s_ret2 / n - (s_ret / n) ** 2
-    var_d = s_d2 / n - (s_d / n) ** 2
-    # 1 − Var(returns − V) / Var(returns); 0.0 when the returns do not vary (as core.explained_variance)
-    explained_variance = 1.0 - var_d / var_ret if var_ret > 1e-12 else 0.0
+    explained_variance, value_error = value_fit(r, gather)
 
     non_score = -kl_coef * kl_seq
     out = {
@@ -107,7 +114,7 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
         "objective/scores_min": scores.min().item(),
         "objective/scores_max": scores.max().item(),
         "val/explained_variance": explained_variance,
-        "val/value_error": s_d2 / n,  # mean squared error of V against the returns
+        "val/value_error": value_error,  # mean squared error of V against the returns
         "val/num_eos_tokens": stopped.sum().item(),
         "rollout/response_length_mean": lengths.mean().item(),
         "rollout/truncation_rate": truncated.mean().item(),

@@ -275,12 +275,12 @@ def abandon_later(output_dir: str, checkpoint: str) -> list[str]:
 
 
 def write_state(folder: str, kl_controller, reward_normalizer, settings: dict, grad_scaler=None,
-                config: dict | None = None) -> None:
+                config: dict | None = None, trainer: dict | None = None) -> None:
     """trl_ext's own state: β's controller, the reward normalizer's statistics, the run's settings, the whole config
-    (`changed_settings`) and, under fp16, the GradScaler's loss scale and growth tracker (a resumed run scales as the
-    straight one would)."""
+    (`changed_settings`), the trainer's own flags (`trainer`: whether the critic warmup has ended) and, under fp16,
+    the GradScaler's loss scale and growth tracker (a resumed run scales as the straight one would)."""
     state = {"kl_controller": kl_controller.state_dict(), "reward_normalizer": reward_normalizer.state_dict(),
-             "settings": settings, "config": config or {}}
+             "settings": settings, "config": config or {}, "trainer": trainer or {}}
     if grad_scaler is not None:
         state["grad_scaler"] = grad_scaler.state_dict()
     with open(os.path.join(folder, TRL_EXT_STATE), "w") as f:

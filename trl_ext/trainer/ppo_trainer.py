@@ -54,7 +54,7 @@ from ..models import (
     sampling_config,
     scalar_head_outputs,
 )
-from ..monitoring.alarms import AlarmCallback
+from ..monitoring.alarms import AlarmCallback, profile_thresholds
 from ..monitoring.callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
 from ..monitoring.diagnostics import (
     UpdateStats,
@@ -62,6 +62,7 @@ from ..monitoring.diagnostics import (
     rollout_metrics,
     source_metrics,
     update_metrics,
+    value_fit,
 )
 from ..monitoring.phases import Phases
 from ..monitoring.progress import PPOProgress
@@ -89,7 +90,7 @@ from .evaluation import Evaluator, dataset_columns
 from .preemption import Preemption
 from .rollout import Rollout, RolloutPhase
 from .sampling import ResponseSampler, colocated_vllm, server_vllm
-from .seeds import process_seed
+from .seeds import extra_draw_seed, process_seed
 from .update import PPOUpdate, vf_coef_at
 
 if is_peft_available():
@@ -145,6 +146,7 @@ class PPOTrainer(PPOTrainerBase):
         self._setup_policy(model, ref_model, peft_config)
         longest_prompt = self._check_positions(train_dataset, eval_dataset, own_collator)
         self.train_dataset, self.train_dataset_len, self.eval_dataset = train_dataset, len(train_dataset), eval_dataset
+        self.episodes_per_epoch = self.train_dataset_len * args.num_generations  # an episode is one completion
         self.data_collator = data_collator
         self._setup_batch_sizes(optimizers)
         self._setup_accelerator()
@@ -207,6 +209,10 @@ class PPOTrainer(PPOTrainerBase):
         if args.missing_eos_penalty and self.stop_token_id is None:  # 0: no penalty, as in TRL
             raise ValueError(f"missing_eos_penalty={args.missing_eos_penalty} is set but there is no stop token "
                              "(stop_token='none'): set a stop token or drop the penalty.")
+        if args.mask_truncated_completions and self.stop_token_id is None:
+            raise ValueError("mask_truncated_completions=True leaves completions without a stop token out of the policy "
+                             "loss, but there is no stop token (stop_token='none'): every completion would be left "
+                             "out. Set a stop token or drop the setting.")
 
     def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
         """A `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever the
@@ -233,7 +239,17 @@ class PPOTrainer(PPOTrainerBase):
         conditioning; an optional gold scorer for evaluation only (never trained on)."""
         args, tokenizer = self.args, self.processing_class
         self.reward_model = reward_model
-        self.reward_scorer = RewardScorer(reward_model, tokenizer, args.reward_weights, reward_processing_classes,
+        weights = args.reward_weights
+        if args.overlong_buffer_len is not None:  # DAPO's soft overlong punishment: one more source, TRL's function
+            from trl.rewards import get_soft_overlong_punishment
+
+            sources = RewardScorer._as_list(reward_model)
+            if isinstance(reward_processing_classes, (list, tuple)):
+                reward_processing_classes = [*reward_processing_classes, None]
+            punishment = get_soft_overlong_punishment(args.response_length, args.overlong_buffer_len)
+            reward_model = [*sources, punishment]
+            weights = [*(weights or [1.0] * len(sources)), args.overlong_penalty_factor]
+        self.reward_scorer = RewardScorer(reward_model, tokenizer, weights, reward_processing_classes,
                                           padding_free=args.padding_free)
         self.reward_normalizer = RewardNormalizer(args.reward_norm, args.reward_norm_mean, args.reward_norm_std,
                                                   args.reward_clip)
@@ -329,7 +345,7 @@ class PPOTrainer(PPOTrainerBase):
             raise ValueError("critic_learning_rate is set but you passed your own optimizer: give the value model's "
                              "parameters their learning rate in your optimizer's param groups, or drop the setting.")
         if args.total_episodes is None:
-            args.total_episodes = int(args.num_train_epochs * self.train_dataset_len)
+            args.total_episodes = int(args.num_train_epochs * self.episodes_per_epoch)
         # One rollout batch per process = per_device_train_batch_size x gradient_accumulation_steps prompts; it splits
         # into num_mini_batches minibatches of micro-batches.
         args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
@@ -414,7 +430,7 @@ class PPOTrainer(PPOTrainerBase):
         callbacks = list(callbacks or [])
         alarms = [cb for cb in callbacks if isinstance(cb, AlarmCallback)]
         if not alarms and args.alarms:
-            alarms = [AlarmCallback(args.alarm_thresholds)]
+            alarms = [AlarmCallback(profile_thresholds(args.alarm_profile, args.alarm_thresholds))]
         callbacks = [cb for cb in callbacks if not isinstance(cb, AlarmCallback)]
         run_folder = [] if any(isinstance(cb, MetricsFileCallback) for cb in callbacks) else [MetricsFileCallback()]
         self.callbacks = (DEFAULT_CALLBACKS + alarms + get_reporting_integration_callbacks(args.report_to)
@@ -452,7 +468,8 @@ class PPOTrainer(PPOTrainerBase):
         slice) and each process's share of eval_dataset."""
         args, accelerator = self.args, self.accelerator
         self.prompt_batches = PromptBatches(self.train_dataset_len, args.local_batch_size, accelerator.num_processes,
-                                            accelerator.process_index, args.seed)
+                                            accelerator.process_index, args.seed,
+                                            num_generations=args.num_generations)
         # (its own generator: creating the iterator must not draw from the global RNG that sampling uses)
         self.dataloader = DataLoader(train_dataset, batch_sampler=self.prompt_batches, collate_fn=data_collator,
                                      generator=torch.Generator().manual_seed(args.seed))
@@ -534,7 +551,7 @@ class PPOTrainer(PPOTrainerBase):
                                        self.local_seed, self.vllm)
         self.rollout_phase = RolloutPhase(args, self.backend, self.sampler, self.reference, self.reward_scorer,
                                           self.reward_normalizer, self.stop_token_id, self.phases,
-                                          self.trunk_from_reference)
+                                          self.trunk_from_reference, more_prompts=self._more_prompts)
         self.update_phase = PPOUpdate(args, self.backend)
         self.evaluator = Evaluator(args, self.backend, self.sampler, self.reference, self.reward_scorer,
                                    self.eval_scorer, self.processing_class, self.eval_dataloader)
@@ -647,6 +664,14 @@ class PPOTrainer(PPOTrainerBase):
         return self.rollout_phase(queries, query_mask, extra_columns, kl_coef=self.kl_ctl.value,
                                   step=self.state.global_step, trainer_state=self.state, drawn=drawn)
 
+    def _more_prompts(self, step: int, draw: int):
+        """Dynamic sampling's further draw `draw` of iteration `step`: (queries, query_mask, extra_columns) of this
+        process's share of a batch of prompts drawn by (seed, step, draw) alone (`PromptBatches.extra`)."""
+        indices = self.prompt_batches.extra(extra_draw_seed(self.args.seed, step, draw))
+        batch = self.data_collator([self.train_dataset[i] for i in indices])
+        device = self.accelerator.device
+        return batch["input_ids"].to(device), batch["attention_mask"].to(device), dataset_columns(batch)
+
     def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> UpdateStats:
         """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches, clipped policy and value losses,
         each role's gradients clipped to `max_grad_norm` (trl_ext/trainer/update.py). critic_only (critic warmup):
@@ -669,6 +694,7 @@ class PPOTrainer(PPOTrainerBase):
         if rollout.source_scores is not None:
             m.update(source_metrics(rollout.source_scores, self.reward_scorer.names, gather))
         m.update(update_metrics(stats, self.backend.sum_over_processes, gather))
+        m.update(self.rollout_phase.draw_metrics)  # num_generations, dynamic_sampling
         m["val/warmup"] = float(warmup)
         m.update(self.prompt_counts)
         m["lr"] = self.lr_scheduler.get_last_lr()[0]
@@ -680,10 +706,11 @@ class PPOTrainer(PPOTrainerBase):
     # ------------------------------------------------------------------------------------------------ train
     def _init_state(self):
         args = self.args
+        self.critic_warmup_ended = False  # critic_warmup_explained_variance reached (`_in_critic_warmup`)
         self.state.global_step = 0
         self.state.episode = 0
         self.state.max_steps = args.num_total_batches
-        self.state.num_train_epochs = args.total_episodes / self.train_dataset_len
+        self.state.num_train_epochs = args.total_episodes / self.episodes_per_epoch
         for name in ("logging_steps", "eval_steps", "save_steps"):
             value = getattr(args, name)
             if value is not None:
@@ -725,6 +752,18 @@ class PPOTrainer(PPOTrainerBase):
             if self.async_rollouts is not None:  # the sampler stops after its current draw
                 self.async_rollouts.close()
 
+    def _in_critic_warmup(self, rollout: Rollout) -> bool:
+        """Whether this iteration trains the critic alone: the first critic_warmup_steps iterations, or with
+        critic_warmup_explained_variance until the first rollout whose explained variance reaches it (then never
+        again: `critic_warmup_ended`, kept in checkpoints)."""
+        args = self.args
+        if self.critic_warmup_ended or self.state.global_step >= args.critic_warmup_steps:
+            return False
+        if args.critic_warmup_explained_variance is not None:
+            explained, _ = value_fit(rollout, self.backend.gather)
+            self.critic_warmup_ended = explained >= args.critic_warmup_explained_variance
+        return not self.critic_warmup_ended
+
     def _next_batch(self, batches):
         """This iteration's prompt batch, and with async_rollouts the sampler thread's draw of it (a `Drawn`, with
         the policy version that drew it) and the seconds the trainer waited for it."""
@@ -746,7 +785,6 @@ class PPOTrainer(PPOTrainerBase):
         for update in range(self.state.global_step + 1, args.num_total_batches + 1):
             iteration_start = time.perf_counter()
             self.state.episode += args.batch_size
-            warmup = self.state.global_step < args.critic_warmup_steps
             kl_coef = self.kl_ctl.value
             # 1-7. rollout: generate (async_rollouts: the sampler thread's draw), score, shape rewards with the
             # current β, advantages
@@ -762,6 +800,7 @@ class PPOTrainer(PPOTrainerBase):
                     + (f"{last} holds finite weights: resume from it with a lower learning_rate." if last else
                        "Start again with a lower learning_rate.")) from e
             # 8. PPO epochs (value model only during critic warmup)
+            warmup = self._in_critic_warmup(rollout)
             stats = self.ppo_update(rollout, critic_only=warmup)
             if self.async_rollouts is not None:  # version global_step + 1 to the sampler, if a batch needs it
                 self.async_rollouts.publish(self.unwrapped.policy, self.state.global_step + 1)
@@ -773,7 +812,7 @@ class PPOTrainer(PPOTrainerBase):
             # real tokens of all processes per second of this iteration's rollout and update
             metrics["perf/tokens_per_second"] = metrics["rollout/tokens"] / (time.perf_counter() - iteration_start)
             self.kl_ctl.update(mean_sequence_kl(rollout, self.backend.gather), args.batch_size)
-            self.state.epoch = self.state.episode / self.train_dataset_len
+            self.state.epoch = self.state.episode / self.episodes_per_epoch
             self.state.global_step += 1
             if self._should_evaluate():
                 metrics.update(self.evaluate_policy())
@@ -883,7 +922,7 @@ class PPOTrainer(PPOTrainerBase):
                     self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
                 self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
                 write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings(), self.accelerator.scaler,
-                            self.args.to_dict())
+                            self.args.to_dict(), trainer={"critic_warmup_ended": self.critic_warmup_ended})
 
     def _resume(self, resume_from_checkpoint: str | bool) -> None:
         """Restore everything a PPO run carries from a checkpoint written by `_save_checkpoint`: the one given or the
@@ -904,6 +943,7 @@ class PPOTrainer(PPOTrainerBase):
         self._resumed_draws = load_drawn(checkpoint, self.accelerator.process_index)  # async_rollouts' saved draws
         self.kl_ctl.load_state_dict(saved["kl_controller"])
         self.reward_normalizer.load_state_dict(saved["reward_normalizer"])
+        self.critic_warmup_ended = saved.get("trainer", {}).get("critic_warmup_ended", False)
         if self.accelerator.scaler is not None and "grad_scaler" in saved:  # fp16: the loss scale reached
             self.accelerator.scaler.load_state_dict(saved["grad_scaler"])
         restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))

@@ -21,6 +21,8 @@ import torch
 
 from ..core import (
     compute_gae,
+    constant_groups,
+    group_advantages,
     length_adaptive_lam,
     masked_whiten,
     sampler_correction_weights,
@@ -51,6 +53,8 @@ class Rollout:
     advantage_lam: torch.Tensor | None = None  # (B,) the policy's GAE λ of each rollout, with length_adaptive_alpha
     trunk_hidden: torch.Tensor | None = None  # (B, Q+T, H) the output of the critic's frozen trunk, its lower
     # layers (models.FrozenTrunk): the update runs only the layers above it
+    policy_mask: torch.Tensor | None = None  # (B, T) bool, the tokens of the policy loss when they are not the
+    # response mask's: mask_truncated_completions leaves the completions cut at response_length out
 
     def __len__(self) -> int:
         return self.queries.shape[0]
@@ -76,13 +80,47 @@ def check_left_padded(query_mask: torch.Tensor) -> None:
 
 
 @dataclass
+class _Batch:
+    """Steps 1-2 and the rewards' raw scores (step 5): the rows a rollout is made of."""
+    queries: torch.Tensor
+    query_mask: torch.Tensor
+    extra_columns: dict
+    responses: torch.Tensor
+    response_mask: torch.Tensor
+    sampler_logprobs: torch.Tensor
+    scores: torch.Tensor | None = None  # (B,) the combined score
+    source_scores: torch.Tensor | None = None  # (B, S) each source's
+
+    def select(self, rows: list[int]) -> _Batch:
+        pick = torch.tensor(rows, dtype=torch.long, device=self.queries.device)
+        return _Batch(self.queries[pick], self.query_mask[pick], {k: [v[i] for i in rows]
+                                                                  for k, v in self.extra_columns.items()},
+                      self.responses[pick], self.response_mask[pick], self.sampler_logprobs[pick],
+                      self.scores[pick], self.source_scores[pick])
+
+    @staticmethod
+    def cat(parts: list[_Batch], pad_token_id: int) -> _Batch:
+        """Rows of several draws in one batch: prompts left-padded, responses right-padded to the widest."""
+        def padded(tensors, value, left):
+            width = max(t.shape[1] for t in tensors)
+            pads = [(width - t.shape[1], 0) if left else (0, width - t.shape[1]) for t in tensors]
+            return torch.cat([torch.nn.functional.pad(t, pad, value=value) for t, pad in zip(tensors, pads)])
+
+        return _Batch(padded([p.queries for p in parts], pad_token_id, True),
+                      padded([p.query_mask for p in parts], False, True),
+                      {k: [x for p in parts for x in p.extra_columns[k]] for k in parts[0].extra_columns},
+                      padded([p.responses for p in parts], pad_token_id, False),
+                      padded([p.response_mask for p in parts], False, False),
+                      padded([p.sampler_logprobs for p in parts], 0.0, False),
+                      torch.cat([p.scores for p in parts]), torch.cat([p.source_scores for p in parts]))
+
+
+@dataclass
 class _Scored:
-    """Steps 3-5 over every chunk of the batch, before the scores are conditioned."""
+    """Steps 3-4 over every chunk of the batch."""
     logprobs: torch.Tensor
     ref_logprobs: torch.Tensor
     values: torch.Tensor
-    scores: torch.Tensor
-    source_scores: torch.Tensor
     trunk_hidden: torch.Tensor | None
 
 
@@ -94,10 +132,12 @@ class RolloutPhase:
     from the policy's checkpoint), captured on the reference pass so the trunk never runs; None: the trunk runs."""
 
     def __init__(self, args, backend, sampler, reference, reward_scorer, reward_normalizer, stop_token_id,
-                 phases, trunk_from_reference=None):
+                 phases, trunk_from_reference=None, more_prompts=None):
         self.args, self.backend, self.sampler, self.reference = args, backend, sampler, reference
         self.reward_scorer, self.reward_normalizer = reward_scorer, reward_normalizer
         self.stop_token_id, self.phases, self.trunk_from_reference = stop_token_id, phases, trunk_from_reference
+        self.more_prompts = more_prompts  # dynamic_sampling: (step, draw) -> (queries, query_mask, extra_columns)
+        self.draw_metrics: dict[str, float] = {}  # the last rollout's group and dynamic-sampling metrics
 
     @torch.no_grad()
     def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None, kl_coef: float,
@@ -105,9 +145,12 @@ class RolloutPhase:
         """(B, Q) ids and (B, Q) mask of iteration `step`'s prompts -> their Rollout, rewards shaped with β =
         `kl_coef`. extra_columns: other dataset columns of these prompts (lists), passed to reward functions.
         `drawn`: steps 1-2 done already (async_rollouts: responses, response mask, sampler log-probs of an earlier
-        policy version); steps 3-7 then run at the current one."""
+        policy version); steps 3-7 then run at the current one. With dynamic_sampling, groups whose completions all
+        score the same are replaced by groups of further draws (`_fill`; `more_prompts`: (step, draw) -> a batch)."""
         query_mask = query_mask.bool()
         check_left_padded(query_mask)
+        extra_columns = extra_columns or {}
+        self.draw_metrics = {}
         with self.backend.whole_weights():
             if drawn is not None:
                 responses, response_mask, sampler_logprobs = drawn
@@ -115,11 +158,13 @@ class RolloutPhase:
                 with self.phases("generation"):  # 1-2
                     responses, response_mask, sampler_logprobs = self.sampler.rollout_responses(queries, query_mask,
                                                                                                 step)
-            scored = self._score(queries, query_mask, responses, response_mask, sampler_logprobs, extra_columns or {},
-                                 trainer_state)  # 3-5
-        scores = self._condition(scored.scores, responses, response_mask)  # 5
-        return self._advantages(queries, query_mask, responses, response_mask, sampler_logprobs, scored, scores,
-                                kl_coef)  # 6-7
+            batch = _Batch(queries, query_mask, extra_columns, responses, response_mask, sampler_logprobs)
+            batch.scores, batch.source_scores = self._rewards(batch, trainer_state)  # 5
+            if self.args.dynamic_sampling:
+                batch = self._fill(batch, step, trainer_state)
+            scored = self._score(batch)  # 3-4
+        scores = self._condition(batch.scores, batch.responses, batch.response_mask)  # 5
+        return self._advantages(batch, scored, scores, kl_coef)  # 6-7
 
     @contextmanager
     def _reference_trunk(self):
@@ -141,14 +186,61 @@ class RolloutPhase:
         lengths = (query_mask.sum(1) + response_mask.sum(1)).tolist()
         return [slice(g[0], g[-1] + 1) for g in self.backend.token_groups(lengths, args.max_tokens_per_micro_batch)]
 
-    def _score(self, queries, query_mask, responses, response_mask, sampler_logprobs, extra_columns,
-               trainer_state) -> _Scored:
-        """Steps 3-5 in chunks of rows (`_chunks`); padding-free, each chunk's real tokens run as one sequence."""
+    def _rewards(self, batch: _Batch, trainer_state) -> tuple[torch.Tensor, torch.Tensor]:
+        """Step 5 before conditioning, in the scoring chunks: the (B,) combined score of the response cut after its
+        stop token and the (B, S) score of each source."""
+        scores, per_source = [], []
+        with self.phases("reward"), self.backend.accelerator.autocast():
+            for s in self._chunks(batch.query_mask, batch.response_mask):
+                extra = {k: v[s] for k, v in batch.extra_columns.items()}
+                combined, sources = self.reward_scorer(batch.queries[s], batch.query_mask[s], batch.responses[s],
+                                                       batch.response_mask[s], extra, trainer_state=trainer_state)
+                scores.append(combined)
+                per_source.append(torch.stack(list(sources.values()), 1))
+        device = batch.queries.device
+        return torch.cat(scores).to(device), torch.cat(per_source).to(device)
+
+    def _fill(self, batch: _Batch, step: int, trainer_state) -> _Batch:
+        """Dynamic sampling (DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476, §3.2): groups whose completions
+        all got the same score are dropped and further draws of prompts (`more_prompts`) generated and scored, until
+        the batch's groups all differ or `max_num_gen_batches` draws are made; then constant groups of the first draw
+        fill what is left. Every process makes as many draws (their forwards meet under ZeRO-3, FSDP and vLLM)."""
+        G, B = self.args.num_generations, len(batch.queries)
+        parts, kept = [batch], []  # kept: rows (into the concatenated draws) of the groups that differ
+        for draw in range(self.args.max_num_gen_batches):
+            if draw:
+                queries, query_mask, extra = self.more_prompts(step, draw)
+                with self.phases("generation"):
+                    drawn = self.sampler.rollout_responses(queries, query_mask, step, draw)
+                part = _Batch(queries, query_mask.bool(), extra, *drawn)
+                part.scores, part.source_scores = self._rewards(part, trainer_state)
+                parts.append(part)
+            offset = B * draw
+            for g in (~constant_groups(parts[-1].scores, G)).nonzero().flatten().tolist():
+                kept.extend(range(offset + g * G, offset + (g + 1) * G))
+            short = torch.tensor(float(len(kept) < B), device=batch.queries.device)
+            if not self.backend.sum_over_processes(short).item():  # every process's batch is full
+                break
+        draws = len(parts)
+        constant = [r for g in constant_groups(batch.scores, G).nonzero().flatten().tolist()
+                    for r in range(g * G, (g + 1) * G)]
+        rows = (kept + constant)[:B]
+        dropped = sum(int(constant_groups(p.scores, G).sum()) for p in parts)  # this process's constant groups
+        dropped = self.backend.sum_over_processes(torch.tensor(float(dropped), device=batch.queries.device)).item()
+        drawn = B * draws * self.backend.num_processes
+        self.draw_metrics = {"rollout/dynamic_draws": float(draws), "rollout/completions_drawn": float(drawn),
+                             "rollout/dynamic_dropped_frac": dropped * G / drawn}
+        return _Batch.cat(parts, self.sampler.pad_token_id).select(rows)
+
+    def _score(self, batch: _Batch) -> _Scored:
+        """Steps 3-4 in chunks of rows (`_chunks`); padding-free, each chunk's real tokens run as one sequence."""
         args, accelerator, model = self.args, self.backend.accelerator, self.backend.model
+        queries, query_mask, responses, response_mask = (batch.queries, batch.query_mask, batch.responses,
+                                                         batch.response_mask)
         policy = self.backend.unwrap().policy
         trunk = getattr(self.backend.unwrap(), "trunk", None)  # the critic's frozen trunk, its output kept
         T = responses.shape[1]
-        parts = {name: [] for name in ("logprobs", "ref_logprobs", "values", "scores", "source_scores", "trunk")}
+        parts = {name: [] for name in ("logprobs", "ref_logprobs", "values", "trunk")}
         for s in self._chunks(query_mask, response_mask):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
             packing = Packing.of(inputs, response_mask[s]) if args.padding_free else None
@@ -167,7 +259,7 @@ class RolloutPhase:
                     parts["trunk"].append(captured[0] if packing is None else packing.unpack(captured[0]))
                 if args.rollout_logprobs == "sampler":
                     value = model(**forward, role="value", **kept)
-                    parts["logprobs"].append(sampler_logprobs[s].to(value.device) * response_mask[s])
+                    parts["logprobs"].append(batch.sampler_logprobs[s].to(value.device) * response_mask[s])
                 elif packing is None:
                     logits, value = model(**inputs, logits_to_keep=T + 1, **kept)
                     parts["logprobs"].append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:],
@@ -179,18 +271,9 @@ class RolloutPhase:
                     del logits
                 parts["values"].append((value[:, -T - 1 : -1] if packing is None
                                         else packing.values(value)).float())
-            # 5. the scores of the response cut after its stop token
-            with self.phases("reward"), accelerator.autocast():
-                extra = {k: v[s] for k, v in extra_columns.items()}
-                combined, per_source = self.reward_scorer(queries[s], query_mask[s], responses[s], response_mask[s],
-                                                          extra, trainer_state=trainer_state)
-                parts["scores"].append(combined)
-                parts["source_scores"].append(torch.stack(list(per_source.values()), 1))
         logprobs = torch.cat(parts["logprobs"])
         return _Scored(logprobs=logprobs, ref_logprobs=torch.cat(parts["ref_logprobs"]),
                        values=torch.cat(parts["values"]) * response_mask,
-                       scores=torch.cat(parts["scores"]).to(logprobs.device),
-                       source_scores=torch.cat(parts["source_scores"]).to(logprobs.device),
                        trunk_hidden=torch.cat(parts["trunk"]) if trunk is not None else None)
 
     def _condition(self, scores, responses, response_mask) -> torch.Tensor:
@@ -204,10 +287,9 @@ class RolloutPhase:
             scores = scores - args.missing_eos_penalty * (~stopped).float()
         return scores
 
-    def _advantages(self, queries, query_mask, responses, response_mask, sampler_logprobs, scored: _Scored,
-                    scores, kl_coef) -> Rollout:
-        """Steps 6-7, and the sampler correction's weights."""
-        args, logprobs = self.args, scored.logprobs
+    def _advantages(self, batch: _Batch, scored: _Scored, scores, kl_coef) -> Rollout:
+        """Steps 6-7, the group advantage mixed in, and the sampler correction's weights."""
+        args, logprobs, response_mask = self.args, scored.logprobs, batch.response_mask
         # 6. rewards: −β·KL on every real token, the score on the last real token (see core.shape_rewards)
         rewards, kl = shape_rewards(scores, logprobs, scored.ref_logprobs, response_mask, kl_coef, args.kl_estimator)
         # whitening statistics over the real tokens of all processes: N processes act as one with the whole batch
@@ -225,19 +307,32 @@ class RolloutPhase:
         if isinstance(lam_policy, torch.Tensor) or lam_value != lam_policy:
             returns = compute_gae(rewards, scored.values, response_mask, args.gamma, lam_value)[1]
         advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
+        if args.group_advantage_weight:  # the group baseline mixed in: GRPO's advantage on every token
+            w = args.group_advantage_weight
+            group = group_advantages(scores, args.num_generations, args.scale_rewards,
+                                     args.multi_objective_aggregation, batch.source_scores,
+                                     torch.tensor(self.reward_scorer.weights), self.backend.gather)
+            advantages = ((1 - w) * advantages + w * group[:, None].to(advantages)) * response_mask
+        policy_mask = None
+        if args.mask_truncated_completions:  # only completions that stopped train the policy (TRL's GRPO)
+            stopped = ((batch.responses == self.stop_token_id) & response_mask).any(dim=1)
+            policy_mask = response_mask & stopped[:, None]
+        if args.num_generations > 1:
+            zero_std = constant_groups(batch.scores, args.num_generations).float()
+            self.draw_metrics["rollout/frac_reward_zero_std"] = self.backend.gather(zero_std).mean().item()
         # the sampler against the trainer: here over every token, or (π_old the sampler's) in the update, where the
         # first minibatch's forward is the trainer's at the rollout's weights (UpdateStats.sampler_rows)
         sampler_logprobs = (None if args.rollout_logprobs == "sampler"
-                            else sampler_logprobs.to(logprobs.device) * response_mask)
+                            else batch.sampler_logprobs.to(logprobs.device) * response_mask)
         sampler_weights = None
         if args.vllm_importance_sampling_correction:  # π_old / π_sampler, truncated or masked (core.losses)
             sampler_weights = sampler_correction_weights(
                 logprobs, sampler_logprobs, response_mask, args.vllm_importance_sampling_mode,
                 args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
-        return Rollout(queries=queries, query_mask=query_mask, responses=responses, response_mask=response_mask,
-                       logprobs=logprobs, ref_logprobs=scored.ref_logprobs, values=scored.values, scores=scores,
-                       kl=kl, rewards=rewards, advantages=advantages, returns=returns,
-                       source_scores=scored.source_scores, sampler_logprobs=sampler_logprobs,
+        return Rollout(queries=batch.queries, query_mask=batch.query_mask, responses=batch.responses,
+                       response_mask=response_mask, logprobs=logprobs, ref_logprobs=scored.ref_logprobs,
+                       values=scored.values, scores=scores, kl=kl, rewards=rewards, advantages=advantages,
+                       returns=returns, source_scores=batch.source_scores, sampler_logprobs=sampler_logprobs,
                        sampler_weights=sampler_weights,
                        advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None,
-                       trunk_hidden=scored.trunk_hidden)
+                       trunk_hidden=scored.trunk_hidden, policy_mask=policy_mask)

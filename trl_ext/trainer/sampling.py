@@ -45,10 +45,10 @@ class ResponseSampler:
         with self.backend.accelerator.autocast():
             return generate_responses(policy, queries, query_mask, self.sampling, self.forward_batch_size, generator)
 
-    def rollout_generator(self, step: int) -> torch.Generator:
-        """The RNG of iteration `step`'s rollout draw on this process: seeded from (process, iteration) alone, so a
-        resumed run, or a sampler in another thread, draws what the uninterrupted synchronous run drew."""
-        return torch.Generator(device=self.backend.device).manual_seed(rollout_seed(self.local_seed, step))
+    def rollout_generator(self, step: int, draw: int = 0) -> torch.Generator:
+        """The RNG of iteration `step`'s rollout draw on this process: seeded from (process, iteration, draw) alone,
+        so a resumed run, or a sampler in another thread, draws what the uninterrupted synchronous run drew."""
+        return torch.Generator(device=self.backend.device).manual_seed(rollout_seed(self.local_seed, step, draw))
 
     def masked(self, responses: torch.Tensor, sampler_logprobs: torch.Tensor):
         """Drawn ids -> the ids with the pad id after the stop token, their response mask, the log-probs."""
@@ -68,14 +68,14 @@ class ResponseSampler:
         seeds = request_seeds(seed, queries.shape[0])
         return self.masked(*self.vllm.generate(queries, query_mask, seeds, adapter=adapter))
 
-    def rollout_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, step: int):
+    def rollout_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, step: int, draw: int = 0):
         """Step 1 of iteration `step`: the policy's responses, mask and sampler log-probs, drawn from an RNG seeded
-        by (process, step) (HF generate: `rollout_generator`; vLLM: each request), so a resumed run draws what the
-        uninterrupted one drew."""
+        by (process, step, draw) (HF generate: `rollout_generator`; vLLM: each request), so a resumed run draws what
+        the uninterrupted one drew. `draw` >= 1: dynamic sampling's further draws of the same iteration."""
         if self.vllm is not None:
-            return self._vllm_generate(queries, query_mask, step, rollout_seed(self.local_seed, step))
+            return self._vllm_generate(queries, query_mask, step, rollout_seed(self.local_seed, step, draw))
         with self.backend.generation_model(self.gather_zero3) as unwrapped:
-            return self.generate(unwrapped.policy, queries, query_mask, self.rollout_generator(step))
+            return self.generate(unwrapped.policy, queries, query_mask, self.rollout_generator(step, draw))
 
     def stream_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, seed: int, reference: bool,
                          step: int):

@@ -6,6 +6,8 @@ PROCESS = 100_003  # between processes
 EVAL_STEP = 7_919  # between evaluations at different iterations
 VLLM_REQUEST = 1_000_003  # from a stream's seed to vLLM's per-request seeds
 VLLM_STEP = 10_007  # between the rollouts of different iterations
+EXTRA_DRAW = 1_009  # between the prompt draws of one rollout (dynamic sampling)
+DRAW = 1_000_000_007  # between the response draws of one rollout (dynamic sampling)
 
 
 def process_seed(seed: int, process_index: int) -> int:
@@ -18,10 +20,10 @@ def eval_seed(seed: int, process_index: int, step: int, batch_index: int) -> int
     return seed + PROCESS * process_index + EVAL_STEP * step + batch_index
 
 
-def rollout_seed(local_seed: int, step: int) -> int:
+def rollout_seed(local_seed: int, step: int, draw: int = 0) -> int:
     """The seed of one process's rollout draw at iteration `step` (`local_seed` from `process_seed`): HF generate's
-    generator, or the first vLLM request seed (row i adds i)."""
-    return local_seed * VLLM_REQUEST + VLLM_STEP * step
+    generator, or the first vLLM request seed (row i adds i). `draw` >= 1: dynamic sampling's further draws."""
+    return local_seed * VLLM_REQUEST + VLLM_STEP * step + DRAW * draw
 
 
 def vllm_stream_seed(stream_seed: int) -> int:
@@ -32,3 +34,9 @@ def vllm_stream_seed(stream_seed: int) -> int:
 def request_seeds(first: int, rows: int) -> list[int]:
     """vLLM's per-request seeds of a draw whose first seed is `first`: row i gets first + i, in vLLM's int32 range."""
     return [(first + i) % 2**31 for i in range(rows)]
+
+
+def extra_draw_seed(seed: int, step: int, draw: int) -> int:
+    """Dynamic sampling's draw `draw` >= 1 at iteration `step`: the seed of its prompts' permutation (shared by all
+    processes) and, added to `rollout_seed`, of its responses."""
+    return seed + PROCESS * VLLM_STEP * draw + EXTRA_DRAW * step

@@ -57,6 +57,7 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
         tokens = model_input_ids(micro.responses, micro.response_mask)  # pad ids (maybe not in the vocabulary) -> 0
     else:
         response_logits, tokens = logits, packing.targets[None]  # (1, R, V), (1, R)
+    mask = micro.response_mask if micro.policy_mask is None else micro.policy_mask  # the policy loss's tokens
     new_logprobs = token_logprobs(response_logits, tokens, args.temperature, LOGPROB_CHUNK)
     with torch.set_grad_enabled(torch.is_grad_enabled() and bool(args.entropy_coef)):
         token_entropy = entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK)
@@ -66,6 +67,8 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
     low = args.cliprange if args.clip_ratio_low is None else args.clip_ratio_low
     high = args.cliprange if args.clip_ratio_high is None else args.clip_ratio_high
     weights, keep = micro.sampler_weights, None
+    if micro.policy_mask is not None:  # rows out of the loss: weight 0 (the denominator leaves them out too)
+        weights = mask.float() if weights is None else weights * mask
     if args.off_policy_mask_threshold is not None:  # against the policy that sampled (π_old when it is the sampler's)
         behaviour = micro.logprobs if micro.sampler_logprobs is None else micro.sampler_logprobs
         keep = off_policy_sequence_mask(micro.advantages, new_logprobs, behaviour, micro.response_mask,
@@ -78,11 +81,11 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
     if keep is not None:
         pg_stats["off_policy_masked"] = masked_mean(1.0 - keep, micro.response_mask, strict=False)
     if args.entropy_coef:  # the bonus: a higher entropy lowers the loss
-        pg_loss = pg_loss - args.entropy_coef * aggregate_loss(token_entropy, micro.response_mask, args.loss_agg_mode,
+        pg_loss = pg_loss - args.entropy_coef * aggregate_loss(token_entropy, mask, args.loss_agg_mode,
                                                                denominator)
     if args.beta:  # KL(π_θ ‖ π_ref) as a loss term (GRPO's), aggregated as the policy loss is
         kl = kl_loss_terms(new_logprobs, micro, args)
-        pg_loss = pg_loss + args.beta * aggregate_loss(kl, micro.response_mask, args.loss_agg_mode, denominator)
+        pg_loss = pg_loss + args.beta * aggregate_loss(kl, mask, args.loss_agg_mode, denominator)
         pg_stats["kl_loss"] = masked_mean(kl.detach(), micro.response_mask, strict=False)
     pg_stats["logprobs"] = new_logprobs.detach()
     return pg_loss, pg_stats, entropy
@@ -235,14 +238,17 @@ class PPOUpdate:
         return self.backend.accumulate(last)
 
     def _denominators(self, rollout: Rollout, order: torch.Tensor, starts: range) -> torch.Tensor:
-        """Each minibatch's denominator of the loss aggregation (loss_agg_mode; token-mean: its real tokens), summed
-        over processes; token-sum's is 1 for any batch."""
+        """(minibatches, 2): each minibatch's denominators of the loss aggregation (loss_agg_mode; token-mean: its
+        real tokens), summed over processes, of the policy loss (over `policy_mask`, at least 1: a minibatch of
+        masked rows adds 0) and of the value loss; token-sum's are 1 for any batch."""
         args, mini_size = self.args, self.args.local_mini_batch_size
-        denominators = torch.stack([loss_denominator(rollout.response_mask[order[s : s + mini_size]],
-                                                     args.loss_agg_mode, args.response_length) for s in starts])
+        policy_mask = rollout.response_mask if rollout.policy_mask is None else rollout.policy_mask
+        denominators = torch.stack([torch.stack([
+            loss_denominator(mask[order[s : s + mini_size]], args.loss_agg_mode, args.response_length)
+            for mask in (policy_mask, rollout.response_mask)]) for s in starts])
         if args.loss_agg_mode != "token-sum":
             denominators = self.backend.sum_over_processes(denominators)
-        return denominators
+        return torch.stack([denominators[:, 0].clamp(min=1), denominators[:, 1]], 1)
 
     def _record(self, stats: UpdateStats, micro: Rollout, pg_stats, vf_stats, entropy, first_minibatch: bool):
         """Before any optimizer step of this iteration (the first minibatch) the ratio must be 1.0; with π_old the
@@ -264,6 +270,7 @@ class PPOUpdate:
         """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
         micro-batch's share of the minibatch's losses). With a packing, the forwards are padding-free."""
         args, model = self.args, self.backend.model
+        policy_denominator, value_denominator = (None, None) if denominator is None else denominator
         forward, keep, trunk_hidden = self._forward_inputs(inputs, packing, micro)
         if critic_only and self.backend.plain:
             # warmup on one plain process: the policy's forward (for its stats) without a graph, the critic's alone;
@@ -271,19 +278,19 @@ class PPOUpdate:
             with torch.no_grad():
                 with self.backend.autocast():
                     logits = model(**forward, logits_to_keep=keep, role="policy")
-                pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator, packing)
+                pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, packing)
             del logits
             with self.backend.autocast():
                 values = model(**forward, role="value", trunk_hidden=trunk_hidden)
-            vf_loss, vf_stats = value_terms(values, micro, args, denominator, packing)
+            vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, packing)
             self.backend.backward(vf_coef * vf_loss * loss_scale)
             return pg_stats, vf_stats, entropy
         # the critic runs its trainable top layers only, over its frozen trunk's output kept by the rollout
         with self.backend.autocast():
             logits, values = model(**forward, logits_to_keep=keep, trunk_hidden=trunk_hidden)
-        pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator, packing)
+        pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, packing)
         del logits
-        vf_loss, vf_stats = value_terms(values, micro, args, denominator, packing)
+        vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, packing)
         # in warmup under DDP/DeepSpeed/FSDP the policy term is kept at weight 0 so every parameter still gets a
         # gradient (DDP needs that); those zeros are dropped before the optimizer step
         loss = (0.0 if critic_only else 1.0) * pg_loss + vf_coef * vf_loss
@@ -297,18 +304,19 @@ class PPOUpdate:
         active at backward time. The gradients are the same as one backward of the summed loss (the two losses
         share no trainable parameter). In critic warmup the policy pass runs without grad."""
         args, model, shared = self.args, self.backend.model, self.backend.shared
+        policy_denominator, value_denominator = (None, None) if denominator is None else denominator
         forward, keep, _ = self._forward_inputs(inputs, packing, micro)
         with shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
             with self.backend.autocast():
                 logits = model(**forward, logits_to_keep=keep, role="policy")
-            pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, denominator, packing)
+            pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, packing)
             del logits
             if not critic_only:
                 self.backend.backward(pg_loss * loss_scale)
         with shared.adapter("critic"):
             with self.backend.autocast():
                 values = model(**forward, role="value")
-            vf_loss, vf_stats = value_terms(values, micro, args, denominator, packing)
+            vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, packing)
             self.backend.backward(vf_coef * vf_loss * loss_scale)
         return pg_stats, vf_stats, entropy
 
