@@ -182,6 +182,40 @@ def test_entropy_collapse_needs_a_steady_fall_below_half_the_first_value():
         assert fragment in alarm.message
 
 
+def test_entropy_falling_as_the_score_climbs_is_convergence_with_a_score_rise_threshold():
+    """The same fall of entropy (5 falls by step 15, below half at 19): with entropy_score_rise 0.05, a score climbing
+    0.2 -> 0.9 alongside keeps the alarm quiet (converging on the answers); a flat score fires it at 19."""
+    falling = [calm(policy__entropy_avg=2.0, objective__scores=0.2) for _ in range(10)]
+    climbing = falling + [calm(policy__entropy_avg=2.0 - 0.12 * k, objective__scores=0.2 + 0.06 * k)
+                          for k in range(1, 12)]
+    flat = falling + [calm(policy__entropy_avg=2.0 - 0.12 * k, objective__scores=0.2) for k in range(1, 12)]
+    thresholds = AlarmThresholds(entropy_score_rise=0.05)
+    assert run(climbing, thresholds) == [] and run(climbing) == [("entropy_collapse", 19)]
+    assert run(flat, thresholds) == [("entropy_collapse", 19)]
+    monitor = AlarmMonitor(thresholds)
+    for step, metrics in enumerate(flat, 1):
+        monitor.update(step, metrics)
+    assert "objective/scores rose by only 0 (< 0.05)" in monitor.raised[0].message
+    # the later half's mean minus the earlier half's, over the 6 steps of the window: 3 steps each
+    window = [calm(policy__entropy_avg=e, objective__scores=s) for e, s in
+              zip([2.0, 2.0, 1.0, 0.9, 0.8, 0.7, 0.6], [0.5, 0.5, 0.5, 0.5, 0.5625, 0.5625, 0.5625])]
+    assert run(window, AlarmThresholds(entropy_score_rise=0.0625)) == []  # (0.5625·3 − 0.5·3) / 3: not below
+    assert run(window, AlarmThresholds(entropy_score_rise=0.0626)) == [("entropy_collapse", 7)]
+
+
+def test_the_verifiable_profile_and_its_overrides():
+    from trl_ext import PPOConfig
+    from trl_ext.monitoring.alarms import ALARM_PROFILES, profile_thresholds
+
+    assert profile_thresholds("rlhf") == AlarmThresholds()
+    verifiable = profile_thresholds("verifiable")
+    assert verifiable.to_dict() == {**AlarmThresholds().to_dict(), **ALARM_PROFILES["verifiable"]}
+    assert math.isfinite(verifiable.entropy_score_rise)
+    assert profile_thresholds("verifiable", {"clipfrac_max": 0.9}).clipfrac_max == 0.9
+    with pytest.raises(ValueError, match="alarm_profile='chat'"):
+        PPOConfig(output_dir="/tmp/x", bf16=False, alarm_profile="chat")
+
+
 def test_length_exploitation_on_a_truncation_rise():
     truncation = [0.1] * 10 + [0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.8]
     stream = [calm(rollout__truncation_rate=r) for r in truncation]

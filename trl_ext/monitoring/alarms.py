@@ -79,7 +79,7 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-__all__ = ["ALARM_NAMES", "Alarm", "AlarmCallback", "AlarmMonitor", "AlarmThresholds", "PPOAlarmWarning"]
+__all__ = ["ALARM_NAMES", "ALARM_PROFILES", "Alarm", "AlarmCallback", "AlarmMonitor", "AlarmThresholds", "PPOAlarmWarning", "profile_thresholds"]
 
 ALARM_NAMES = ("kl_blowup", "generator_mismatch", "value_lag", "entropy_collapse", "length_exploitation",
                "reward_hacking", "nonfinite_update")
@@ -149,6 +149,10 @@ class AlarmThresholds:
 
     entropy_drop: float = 0.5
     """entropy_collapse: ...and be below this fraction of its first logged value (in (0, 1])."""
+    entropy_score_rise: float = math.inf
+    """entropy_collapse: ...while ``objective/scores`` rose by less than this over the same steps (the mean of the
+    window's later half minus its earlier half): entropy falling as the score climbs is a policy converging on the
+    answers, not collapsing (verifiable rewards). ``math.inf``: the score is not consulted."""
 
     length_window: int = 5
     """length_exploitation: number of logged steps the truncation rise / length rise is measured over (>= 1)."""
@@ -227,6 +231,21 @@ class AlarmThresholds:
         return asdict(self)
 
 
+# Threshold presets per kind of run (PPOConfig.alarm_profile); alarm_thresholds override single values. Measured runs
+# behind each number: docs/results.md, "Verifiable rewards".
+ALARM_PROFILES: dict[str, dict[str, float]] = {
+    "rlhf": {},  # a learned reward model: the defaults
+    "verifiable": {},
+}
+
+
+def profile_thresholds(profile: str, overrides: Mapping[str, Any] | None = None) -> AlarmThresholds:
+    """The thresholds of `profile` (one of ALARM_PROFILES) with `overrides` on top."""
+    if profile not in ALARM_PROFILES:
+        raise ValueError(f"alarm profile {profile!r} is not one of {tuple(ALARM_PROFILES)}.")
+    return AlarmThresholds.from_dict({**ALARM_PROFILES[profile], **(overrides or {})})
+
+
 @dataclass
 class Alarm:
     """One raised alarm: which (`name`, one of `ALARM_NAMES`), when (the trainer's global step) and why/what to do."""
@@ -297,7 +316,8 @@ class AlarmMonitor:
         self._prev_kl: float | None = None
         self._first_entropy: float | None = None
         self._value_lag_streak = 0
-        self._history: dict[str, list] = {"entropy": [], "truncation": [], "length": [], "score_kl": []}
+        self._history: dict[str, list] = {"entropy": [], "entropy_score": [], "truncation": [], "length": [],
+                                          "score_kl": []}
 
     # ------------------------------------------------------------------------------------------------ checks
     # Each returns None (inputs missing: not evaluated), "" (evaluated, clear) or the cause (condition holds).
@@ -358,14 +378,24 @@ class AlarmMonitor:
             return None
         if self._first_entropy is None:
             self._first_entropy = entropy
-        history = self._history["entropy"]
+        history, scores = self._history["entropy"], self._history["entropy_score"]
         _push(history, entropy, t.entropy_window + 1)
+        _push(scores, _value(m, SCORES), t.entropy_window + 1)
         if len(history) < t.entropy_window + 1:
             return None
-        if _strictly_falling(history) and entropy < t.entropy_drop * self._first_entropy:
-            return (f"{ENTROPY} fell on each of the last {t.entropy_window} steps to {_g(entropy)}, below "
-                    f"{_g(t.entropy_drop)} x its first value {_g(self._first_entropy)}")
-        return ""
+        if not (_strictly_falling(history) and entropy < t.entropy_drop * self._first_entropy):
+            return ""
+        cause = (f"{ENTROPY} fell on each of the last {t.entropy_window} steps to {_g(entropy)}, below "
+                 f"{_g(t.entropy_drop)} x its first value {_g(self._first_entropy)}")
+        if math.isinf(t.entropy_score_rise):
+            return cause
+        if any(score is None for score in scores):
+            return None
+        half = len(scores) // 2
+        rise = sum(scores[-half:]) / half - sum(scores[:half]) / half
+        if rise >= t.entropy_score_rise:  # converging: the score climbs as the entropy falls
+            return ""
+        return cause + f", while {SCORES} rose by only {_g(rise)} (< {_g(t.entropy_score_rise)})"
 
     def _length_exploitation(self, m: Mapping) -> str | None:
         t = self.thresholds
@@ -515,8 +545,10 @@ class AlarmMonitor:
         armed = {name: bool(state["armed"].get(name, True)) for name in ALARM_NAMES}
         clear = {name: int(state["clear_streak"].get(name, 0)) for name in ALARM_NAMES}
         t, history = self.thresholds, state["history"]
-        maxlen = {"entropy": t.entropy_window + 1, "truncation": t.length_window + 1, "length": t.length_window + 1,
+        maxlen = {"entropy": t.entropy_window + 1, "entropy_score": t.entropy_window + 1,
+                  "truncation": t.length_window + 1, "length": t.length_window + 1,
                   "score_kl": t.hacking_window + t.hacking_smooth}
+        history = {"entropy_score": [], **history}  # (a state saved before the score was kept)
         if set(history) != set(maxlen):
             raise ValueError(f"state_dict history has keys {sorted(history)}, expected {sorted(maxlen)}.")
         self.raised = raised
