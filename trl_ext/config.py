@@ -31,6 +31,9 @@ from .core import (
 )
 from .trainer.allocator import glibc
 
+# TRL's GRPO loss_type values trl_ext has -> the loss aggregation each implies
+LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm",
+              "cispo": "token-mean"}
 ROLLOUT_LOGPROBS = ("trainer", "sampler")  # where π_old comes from (PPOConfig.rollout_logprobs)
 ON_NONFINITE = ("skip", "error")  # what a non-finite loss or gradient norm does (PPOConfig.on_nonfinite)
 
@@ -253,6 +256,13 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "Completions cut at response_length without a stop token leave the policy loss: its terms "
                   "and its denominator (TRL's GRPO field); the critic still learns their value. The share left "
                   "out is rollout/truncation_rate."},
+    )
+    loss_type: str | None = field(
+        default=None,
+        metadata={"help": "TRL's GRPO loss names: 'dapo' (the PPO loss, token-mean: the default), 'grpo' (loss_agg_mode "
+                  "seq-mean-token-mean), 'dr_grpo' (seq-mean-token-sum-norm) or 'cispo' (MiniMax-M1's clipped "
+                  "importance-sampling weights, token-mean: −sg(min(ρ, 1 + clip_ratio_high))·A·log π_θ; TRL's "
+                  "epsilon_high 5.0 is clip_ratio_high 4.0 here). None: the PPO loss with loss_agg_mode."},
     )
     loss_agg_mode: str = field(
         default="token-mean",
@@ -569,6 +579,20 @@ class PPOConfig(PPOConfigBase):
                f"clip_ratio_c={self.clip_ratio_c} must be > 1 (veRL: 3.0), or None for no dual clip.")
         _check(self.loss_agg_mode in LOSS_AGG_MODES,
                f"loss_agg_mode={self.loss_agg_mode!r} is not one of {LOSS_AGG_MODES}.")
+        _check(self.loss_type is None or self.loss_type in LOSS_TYPES,
+               f"loss_type={self.loss_type!r} is not one of {tuple(LOSS_TYPES)} (TRL's 'bnpo' normalises by each "
+               "process's own tokens: 'dapo' is its accumulation-invariant form; sapo, luspo and vespo are not here).")
+        implied = LOSS_TYPES.get(self.loss_type)
+        if implied is not None and self.loss_agg_mode != implied:
+            _check(self.loss_agg_mode == "token-mean",  # the default: loss_type chooses
+                   f"loss_type={self.loss_type!r} aggregates as {implied!r} but loss_agg_mode={self.loss_agg_mode!r} "
+                   "is set too: set one of them.")
+            self.loss_agg_mode = implied
+        _check(not (self.loss_type == "cispo" and self.clip_ratio_high is None),
+               "loss_type='cispo' caps the importance weight at 1 + clip_ratio_high, and clip_ratio_high is unset: "
+               "set it (MiniMax-M1 / ScaleRL: 4.0, TRL's epsilon_high=5.0).")
+        _check(not (self.loss_type == "cispo" and self.clip_ratio_c is not None),
+               f"clip_ratio_c={self.clip_ratio_c} bounds PPO's clipped surrogate; loss_type='cispo' has none: drop it.")
         _check(math.isfinite(self.entropy_coef) and self.entropy_coef >= 0,
                f"entropy_coef={self.entropy_coef} must be >= 0 (0: no entropy bonus; typical: 1e-3): a negative "
                "weight would pay the policy to collapse.")

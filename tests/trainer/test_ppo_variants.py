@@ -77,6 +77,23 @@ def test_dual_clip_by_hand():
     assert clipped_policy_loss(logp, old, adv, mask, 0.2, clip_ratio_c=3.0)[0].item() == pytest.approx(6.0)
 
 
+def test_cispo_by_hand():
+    """CISPO, cap 1 + 0.28: ratios 2.0 (A = +1: weight 1.28), 0.5 (A = +1: 0.5), 2.0 (A = −1: 1.28, A < 0 is never
+    capped above... the cap is on the ratio alone, as in MiniMax-M1 and TRL). Loss −Σ sg(w)·A·log π / 3, gradient
+    −w·A / 3 per token (PPO's clip would give the first token no gradient)."""
+    logp, old, adv, mask = _one_token_rows([2.0, 0.5, 2.0], [1.0, 1.0, -1.0])
+    loss, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, cliprange_high=0.28, objective="cispo")
+    w = torch.tensor([1.28, 0.5, 1.28], dtype=torch.float64)
+    expected = -(w * torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64) * torch.log(torch.tensor([2.0, 0.5, 2.0],
+                                                                                              dtype=torch.float64)))
+    torch.testing.assert_close(loss, expected.sum() / 3)
+    (grad,) = torch.autograd.grad(loss, logp)
+    torch.testing.assert_close(grad[:, 0], -w * torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64) / 3)
+    assert stats["clipfrac"].item() == pytest.approx(1 / 3) == stats["clipfrac_high"].item()  # only A > 0, ρ > cap
+    with pytest.raises(ValueError, match="drop clip_ratio_c"):
+        clipped_policy_loss(logp, old, adv, mask, 0.2, clip_ratio_c=3.0, objective="cispo")
+
+
 def test_sequence_level_ratio_by_hand():
     """GSPO: row 0's log-ratios ln 1.5 and ln 0.5 give one ratio, exp(mean) = √0.75 = 0.866, on both its tokens
     (A = 1, 1: inside the clip, −0.866 each, and each token's gradient −(A₀ + A₁)·ρ/2 = −0.866); row 1's one token
@@ -176,12 +193,20 @@ def test_bad_variant_settings_name_the_value_and_the_fix(tmp_path):
         (dict(entropy_coef=-0.01), "entropy_coef=-0.01 must be >= 0"),
         (dict(beta=-0.1), "beta=-0.1 must be >= 0"),
         (dict(kl_loss_estimator="k4"), "kl_loss_estimator='k4' is not one of"),
+        (dict(loss_type="bnpo"), "'dapo' is its accumulation-invariant form"),
+        (dict(loss_type="cispo"), "set it \\(MiniMax-M1 / ScaleRL: 4.0"),
+        (dict(loss_type="cispo", clip_ratio_high=4.0, clip_ratio_c=3.0), "clip_ratio_c=3.0 .* drop it"),
+        (dict(loss_type="grpo", loss_agg_mode="token-sum"), "aggregates as 'seq-mean-token-mean' but loss_agg_mode"),
     ]
     for overrides, match in cases:
         with pytest.raises(ValueError, match=match):
             PPOConfig(output_dir=str(tmp_path), **overrides)
     with pytest.raises(ValueError, match="length_adaptive_alpha=0 must be > 0"):
         length_adaptive_lam(XMASK, 0)
+    for loss_type, mode in (("dapo", "token-mean"), ("grpo", "seq-mean-token-mean"),
+                            ("dr_grpo", "seq-mean-token-sum-norm"), ("cispo", "token-mean")):
+        config = PPOConfig(output_dir=str(tmp_path), bf16=False, loss_type=loss_type, clip_ratio_high=4.0)
+        assert config.loss_agg_mode == mode
 
 
 # --------------------------------------------------------------------------------------------- reference loops
@@ -190,7 +215,7 @@ def per_token_rows(mask, loss):
     return [[loss(b, t) for t in range(mask.shape[1]) if mask[b, t]] for b in range(mask.shape[0])]
 
 
-def reference_policy_loss(logp, old, adv, mask, eps_low, eps_high, c, mode, T, level="token"):
+def reference_policy_loss(logp, old, adv, mask, eps_low, eps_high, c, mode, T, level="token", objective="ppo"):
     """Token by token in Python: max(−Aρ, −A·clip(ρ, 1 − ε_low, 1 + ε_high)), then min(·, −A·c) where A < 0; at
     sequence level ρ is the row's exp(mean log-ratio)."""
     def log_ratio(b, t):
@@ -201,6 +226,8 @@ def reference_policy_loss(logp, old, adv, mask, eps_low, eps_high, c, mode, T, l
 
     def loss(b, t):
         ratio, a = torch.exp(log_ratio(b, t)), float(adv[b, t])
+        if objective == "cispo":
+            return -a * torch.clamp(ratio, max=1 + eps_high).detach() * logp[b, t]
         value = torch.max(-a * ratio, -a * torch.clamp(ratio, 1 - eps_low, 1 + eps_high))
         return torch.min(value, torch.tensor(-a * c)) if c is not None and a < 0 else value
 
@@ -263,6 +290,20 @@ def test_policy_loss_equals_the_reference_loop(mode, eps_high, c, level):
 
 
 @pytest.mark.parametrize("mode", LOSS_AGG_MODES)
+@pytest.mark.parametrize("level", ["token", "sequence"])
+def test_cispo_equals_the_reference_loop(mode, level):
+    logp, old, adv, mask = _ragged(0)
+    loss, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, cliprange_high=0.05, loss_agg_mode=mode,
+                                      importance_sampling_level=level, objective="cispo")
+    (grad,) = torch.autograd.grad(loss, logp)
+    expected = reference_policy_loss(logp, old, adv, mask, 0.2, 0.05, None, mode, 6, level, objective="cispo")
+    (expected_grad,) = torch.autograd.grad(expected, logp)
+    torch.testing.assert_close(loss, expected)
+    torch.testing.assert_close(grad, expected_grad)
+    assert (level == "sequence" or stats["clipfrac"].item() > 0) and stats["clipfrac_low"].item() == 0
+
+
+@pytest.mark.parametrize("mode", LOSS_AGG_MODES)
 @pytest.mark.parametrize("kind", ["clipped", "mse", "huber"])
 def test_value_loss_equals_the_reference_loop(mode, kind):
     g = torch.Generator().manual_seed(1)
@@ -308,13 +349,14 @@ VARIANTS = {
     "KL loss k2, sequence ratio": dict(beta=2.0, kl_loss_estimator="k2", importance_sampling_level="sequence",
                                        cliprange=0.01),
     "KL loss k1, no correction": dict(beta=2.0, kl_loss_estimator="k1", use_bias_correction_kl=False),
+    "CISPO": dict(loss_type="cispo", clip_ratio_high=0.01),
 }
 
 
 def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, clip_ratio_c=None,
                      loss_agg_mode="token-mean", vf_loss_type="clipped", vf_huber_delta=1.0,
                      importance_sampling_level="token", entropy_coef=0.0, beta=0.0, kl_loss_estimator="k3",
-                     use_bias_correction_kl=True):
+                     use_bias_correction_kl=True, loss_type=None):
     """Plain PyTorch on fresh models: one SGD step per minibatch on the whole minibatch at once, the losses written
     out (no trl_ext loss function)."""
     tok = tiny_tokenizer()
@@ -335,6 +377,8 @@ def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, 
             log_ratio = (log_ratio.sum(1, keepdim=True) / mask.sum(1, keepdim=True).clamp(min=1)).expand_as(logp)
         ratio = torch.exp(log_ratio)
         pg = torch.max(-adv * ratio, -adv * ratio.clamp(1 - cliprange, 1 + high))
+        if loss_type == "cispo":
+            pg = -adv * ratio.clamp(max=1 + high).detach() * logp
         if clip_ratio_c is not None:
             pg = torch.where(adv < 0, torch.min(pg, -adv * clip_ratio_c), pg)
         log_p = torch.log_softmax(logits.float() / runs.TEMPERATURE, -1)
@@ -386,8 +430,9 @@ def test_the_update_with_a_variant_is_the_reference_for_any_accumulation(tmp_pat
         metrics = update_metrics(t.ppo_update(rollout))
         torch.testing.assert_close(runs.flat(policy, value), expected, rtol=0, atol=1e-4 * max(step, 1.0),
                                    msg=lambda m, ga=ga: f"{name}, ga={ga}: {m}")
-    if "clip_ratio_high" in overrides:
-        assert metrics["policy/clipfrac_high_avg"] > 0 and metrics["policy/clipfrac_low_avg"] > 0
+    if "clip_ratio_high" in overrides:  # (CISPO caps the weight above only)
+        assert metrics["policy/clipfrac_high_avg"] > 0
+        assert (metrics["policy/clipfrac_low_avg"] > 0) == (overrides.get("loss_type") != "cispo")
     if "clip_ratio_c" in overrides:
         assert metrics["policy/clipfrac_dual_avg"] > 0
     else:
@@ -531,6 +576,7 @@ def test_a_run_with_every_variant_on_trains_and_logs_them(tmp_path):
     ("entropy bonus", dict(entropy_coef=0.01)),
     ("KL loss", dict(beta=0.04)),
     ("truncated completions masked", dict(mask_truncated_completions=True)),
+    ("CISPO", dict(loss_type="cispo", clip_ratio_high=4.0)),
 ])
 def test_each_variant_trains(tmp_path, name, overrides):
     first, last = _learned(train(tmp_path, **overrides))
@@ -567,3 +613,7 @@ def test_the_variants_are_command_line_flags(tmp_path):
             args.entropy_coef, args.beta, args.kl_loss_estimator, args.use_bias_correction_kl) == (
         0.28, 3.0, "seq-mean-token-mean", 1.0, 0.05, "huber", 0.5, 0.01, "sequence", 0.001, 0.04, "k2", False)
     assert args.clip_ratio_low is None and args.lam_policy is None  # unset: cliprange and lam
+    (args,) = TrlParser((PPOConfig,)).parse_args_and_config([
+        "--output_dir", str(tmp_path), "--bf16", "False", "--loss_type", "cispo", "--clip_ratio_high", "4.0",
+        "--mask_truncated_completions", "true"])
+    assert (args.loss_type, args.clip_ratio_high, args.mask_truncated_completions) == ("cispo", 4.0, True)

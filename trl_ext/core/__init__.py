@@ -10,6 +10,7 @@ from .kl_control import KL_CONTROLLERS, AdaptiveKLController, FixedKLController,
 from .losses import (
     IMPORTANCE_SAMPLING_LEVELS,
     LOSS_AGG_MODES,
+    POLICY_OBJECTIVES,
     SAMPLER_CORRECTION_MODES,
     VALUE_LOSS_TYPES,
     aggregate_loss,
@@ -38,6 +39,7 @@ from .rewards import shape_rewards
 __all__ = [
     "IMPORTANCE_SAMPLING_LEVELS",
     "MULTI_OBJECTIVE_AGGREGATIONS",
+    "POLICY_OBJECTIVES",
     "SCALE_REWARDS",
     "LOSS_AGG_MODES",
     "SAMPLER_CORRECTION_MODES",

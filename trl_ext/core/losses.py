@@ -27,6 +27,7 @@ def token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Te
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # one ratio per token (PPO) or per sequence (GSPO)
+POLICY_OBJECTIVES = ("ppo", "cispo")  # PPO's clipped surrogate, or CISPO's clipped importance weights
 
 
 def loss_denominator(response_mask: torch.Tensor, mode: str = "token-mean",
@@ -182,9 +183,10 @@ def clipped_policy_loss(
     clip_ratio_c: float | None = None,
     loss_agg_mode: str = "token-mean",
     importance_sampling_level: str = "token",
+    objective: str = "ppo",
 ) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
     """PPO-clip policy loss: aggregate of max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)), ρ = π_θ / π_old; with dual-clip,
-    min(that, −A·c) where A < 0.
+    min(that, −A·c) where A < 0. objective="cispo": −sg(min(ρ, 1+ε_high))·A·log π_θ instead.
 
     # Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7 (negated: a loss to minimise)
     # clip-higher: ε_high > ε_low (DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476): low-probability tokens
@@ -193,6 +195,9 @@ def clipped_policy_loss(
     #   so a huge ratio on a bad token cannot give an unbounded step (veRL clip_ratio_c)
     # sequence level (GSPO, Zheng et al. 2025, https://arxiv.org/abs/2507.18071; TRL's importance_sampling_level):
     #   one ratio per sequence, ρ_b = exp((1/|o_b|) Σ_t log(π_θ/π_old)), for every token of the row, clipped alike
+    # CISPO (MiniMax-M1, Chen et al. 2025, https://arxiv.org/abs/2506.13585, eq. 4; TRL's loss_type="cispo"): the
+    #   ratio, clipped above and detached, weighs the REINFORCE term: every token keeps its gradient A·∇log π_θ
+    #   (scaled by the weight), where PPO's clip zeroes it
 
     Args:
         logprobs: (B, T) log π_θ of the sampled tokens (with grad).
@@ -206,6 +211,8 @@ def clipped_policy_loss(
         clip_ratio_c: dual-clip bound c > 1; None: off.
         loss_agg_mode: one of LOSS_AGG_MODES.
         importance_sampling_level: "token" (PPO) or "sequence" (GSPO: the row's geometric-mean ratio).
+        objective: one of POLICY_OBJECTIVES: "ppo" or "cispo" (ε_low and dual-clip unused; "clipfrac" and
+            "clipfrac_high" count the tokens with A > 0 whose weight the cap lowered).
 
     Returns:
         loss: 0-dim, differentiable.
@@ -227,6 +234,10 @@ def clipped_policy_loss(
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not one of "
                          f"{IMPORTANCE_SAMPLING_LEVELS}")
+    if objective not in POLICY_OBJECTIVES:
+        raise ValueError(f"objective={objective!r} is not one of {POLICY_OBJECTIVES}")
+    if objective == "cispo" and clip_ratio_c is not None:
+        raise ValueError("the dual clip bounds PPO's clipped surrogate; CISPO's loss has none: drop clip_ratio_c")
     _check_same_shape(response_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
     # padding gets log ρ = 0 and A = 0, so garbage there cannot reach the loss or its gradient
     log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0)
@@ -236,9 +247,14 @@ def clipped_policy_loss(
         row_mean = log_ratio.sum(1, keepdim=True) / response_mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = torch.where(response_mask, row_mean.expand_as(log_ratio), 0)
     ratio = torch.exp(log_ratio)
-    pg_losses = -advantages * ratio
-    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
-    per_token = torch.max(pg_losses, pg_losses2)
+    if objective == "cispo":
+        per_token = -advantages * torch.clamp(ratio, max=1.0 + high).detach() * torch.where(response_mask, logprobs, 0)
+        clipped = (ratio.detach() > 1.0 + high) & (advantages > 0)  # the cap lowered the weight
+    else:
+        pg_losses = -advantages * ratio
+        pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+        per_token = torch.max(pg_losses, pg_losses2)
+        clipped = (pg_losses2 > pg_losses).detach()  # the clipped term is the active one
     dual = torch.zeros_like(response_mask)
     if clip_ratio_c is not None:
         pg_losses3 = -advantages * clip_ratio_c
@@ -250,7 +266,6 @@ def clipped_policy_loss(
     loss = aggregate_loss(per_token, response_mask, loss_agg_mode, denominator)
     with torch.no_grad():
         ratio_d = ratio.detach()
-        clipped = pg_losses2 > pg_losses
 
         def mean(tensor):  # the mask always selects a token: no emptiness check (a host read)
             return masked_mean(tensor, response_mask, strict=False)

@@ -77,7 +77,8 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
     pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
                                             low, denominator, weights=weights, cliprange_high=high,
                                             clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode,
-                                            importance_sampling_level=args.importance_sampling_level)
+                                            importance_sampling_level=args.importance_sampling_level,
+                                            objective="cispo" if args.loss_type == "cispo" else "ppo")
     if keep is not None:
         pg_stats["off_policy_masked"] = masked_mean(1.0 - keep, micro.response_mask, strict=False)
     if args.entropy_coef:  # the bonus: a higher entropy lowers the loss
