@@ -264,6 +264,12 @@ class PPOConfig(PPOConfigBase):
                   "importance-sampling weights, token-mean: −sg(min(ρ, 1 + clip_ratio_high))·A·log π_θ; TRL's "
                   "epsilon_high 5.0 is clip_ratio_high 4.0 here). None: the PPO loss with loss_agg_mode."},
     )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={"help": "Compute the policy's (and a separate reference's) LM head in fp32 with autocast off (TRL's "
+                  "GRPO field): fp32 logits under bf16/fp16, so the log-probs of the sampled tokens, the ratio and "
+                  "the KL are not rounded to bf16's 8 bits. Costs fp32 logits in memory (2x bf16's)."},
+    )
     loss_agg_mode: str = field(
         default="token-mean",
         metadata={"help": "How per-token losses become one (veRL's names): 'token-mean' (TRL), 'token-sum', "

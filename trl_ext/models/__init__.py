@@ -23,7 +23,14 @@ from .forward import (
 )
 from .generation import Sampling, TokenSampler, eval_mode, generate_responses, generation_config_of, sampling_config
 from .packing import Packing, check_padding_free
-from .preparation import CHECKPOINTING_KWARGS, disable_bnb_cpu_repack, disable_dropout, is_quantized
+from .preparation import (
+    CHECKPOINTING_KWARGS,
+    FP32Head,
+    cast_lm_head_to_fp32,
+    disable_bnb_cpu_repack,
+    disable_dropout,
+    is_quantized,
+)
 from .shared_base import CRITIC, POLICY, REWARD, SharedBaseModels, SharedRoleModel, build_shared_base
 from .value import (
     FrozenTrunk,
@@ -36,9 +43,9 @@ from .value import (
 )
 
 __all__ = [
-    "CHECKPOINTING_KWARGS", "CRITIC", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "Packing", "PolicyAndValueWrapper",
+    "CHECKPOINTING_KWARGS", "CRITIC", "FP32Head", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "Packing", "PolicyAndValueWrapper",
     "REWARD", "Sampling", "SharedBaseModels", "SharedRoleModel", "TokenSampler", "accepts_logits_to_keep",
-    "build_shared_base", "build_value_model", "check_padding_free", "disable_bnb_cpu_repack", "disable_dropout",
+    "build_shared_base", "build_value_model", "cast_lm_head_to_fp32", "check_padding_free", "disable_bnb_cpu_repack", "disable_dropout",
     "eval_mode",
     "freeze_backbone", "generate_responses", "generation_config_of", "is_quantized", "lm_logits",
     "lora_for_quantized_value_model", "model_input_ids", "position_ids_from_mask", "probe_batch",

@@ -1,8 +1,9 @@
 """What every model gets before training: dropout off in every form, bitsandbytes' in-place CPU repacking off,
-and whether a model is quantized."""
+whether a model is quantized, and (cast_lm_head_to_fp32) an fp32 LM head."""
 
 from __future__ import annotations
 
+import torch
 import torch.nn as nn
 
 from .forward import _underlying
@@ -78,3 +79,28 @@ def is_quantized(model) -> bool:
     """Loaded in 4-bit or 8-bit by bitsandbytes (through a peft wrapper too)."""
     base = _underlying(model) if isinstance(model, nn.Module) else model
     return bool(getattr(base, "is_loaded_in_4bit", False) or getattr(base, "is_loaded_in_8bit", False))
+
+
+class FP32Head(nn.Linear):
+    """An output layer computed in fp32 with autocast off: fp32 logits from fp32 hidden states and weights (a bf16
+    or fp16 weight is widened per call, which is exact). `cast_lm_head_to_fp32` turns a model's `nn.Linear` head into
+    one in place (its class), so its parameters, their names, tied embeddings and copies of the model are unchanged."""
+
+    def forward(self, hidden_states: torch.Tensor) -> torch.Tensor:
+        with torch.autocast(device_type=hidden_states.device.type, enabled=False):
+            bias = None if self.bias is None else self.bias.float()
+            return nn.functional.linear(hidden_states.float(), self.weight.float(), bias)
+
+
+def cast_lm_head_to_fp32(model: nn.Module) -> None:
+    """TRL's `cast_lm_head_to_fp32` for `model` (a causal LM, or a PeftModel around one): its output layer returns
+    fp32 logits under any autocast (`FP32Head`). Raises for a head that is not a plain `nn.Linear` (a LoRA adapter
+    or a quantized layer on it), as TRL does for an adapter."""
+    head = model.get_output_embeddings() if hasattr(model, "get_output_embeddings") else None
+    if isinstance(head, FP32Head):
+        return
+    if type(head) is not nn.Linear:
+        raise ValueError(f"cast_lm_head_to_fp32=True needs the model's output layer to be a plain nn.Linear; "
+                         f"{type(model).__name__}'s is {type(head).__name__}. Keep the LM head out of the adapter's "
+                         "target_modules (and unquantized), or set cast_lm_head_to_fp32=False.")
+    head.__class__ = FP32Head

@@ -44,6 +44,7 @@ from ..models import (
     Sampling,
     SharedBaseModels,
     build_value_model,
+    cast_lm_head_to_fp32,
     check_padding_free,
     disable_bnb_cpu_repack,
     disable_dropout,
@@ -273,6 +274,10 @@ class PPOTrainer(PPOTrainerBase):
         disabled (peft), or a frozen copy."""
         args = self.args
         self.policy_model = model
+        if args.cast_lm_head_to_fp32:  # before the adapter: a plain nn.Linear head
+            cast_lm_head_to_fp32(model)
+            if ref_model is not None:
+                cast_lm_head_to_fp32(ref_model)
         if peft_config is not None:
             if not is_peft_available():
                 raise ImportError("You passed `peft_config` but `peft` is not installed: `pip install peft`.")
