@@ -264,6 +264,13 @@ class PPOConfig(PPOConfigBase):
                   "importance-sampling weights, token-mean: −sg(min(ρ, 1 + clip_ratio_high))·A·log π_θ; TRL's "
                   "epsilon_high 5.0 is clip_ratio_high 4.0 here). None: the PPO loss with loss_agg_mode."},
     )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={"help": "Train the policy on the highest-entropy tokens only (Wang et al. 2025's 80/20: 0.2; TRL's "
+                  "GRPO field): the tokens whose entropy under π_old is in the top quantile of the rollout's real "
+                  "tokens (all processes) keep their policy loss, the others weigh 0 (the denominator unchanged). "
+                  "Needs rollout_logprobs='trainer'. 1.0: every token."},
+    )
     cast_lm_head_to_fp32: bool = field(
         default=False,
         metadata={"help": "Compute the policy's (and a separate reference's) LM head in fp32 with autocast off (TRL's "
@@ -609,6 +616,12 @@ class PPOConfig(PPOConfigBase):
         _check(self.importance_sampling_level in IMPORTANCE_SAMPLING_LEVELS,
                f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
                f"{IMPORTANCE_SAMPLING_LEVELS}.")
+        _check(0 < self.top_entropy_quantile <= 1,
+               f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0: every token; the 80/20 paper: "
+               "0.2).")
+        _check(self.top_entropy_quantile == 1 or self.rollout_logprobs == "trainer",
+               f"top_entropy_quantile={self.top_entropy_quantile} takes π_old's entropy from the rollout's policy "
+               "pass, which rollout_logprobs='sampler' skips: set rollout_logprobs='trainer'.")
         _check(self.num_generations >= 1, f"num_generations={self.num_generations} must be >= 1 (GRPO: 8).")
         _check(0 <= self.group_advantage_weight <= 1,
                f"group_advantage_weight={self.group_advantage_weight} must be in [0, 1] (0: GAE alone, 1: GRPO's).")

@@ -286,3 +286,24 @@ def test_truncated_completions_leave_the_policy_mask(tmp_path):
         is None
     with pytest.raises(ValueError, match="mask_truncated_completions=True .* no stop token"):
         _trainer(tmp_path, stop_token="none", mask_truncated_completions=True)
+
+
+# ------------------------------------------------------------------------------------------ top_entropy_quantile
+def test_the_rollout_keeps_the_top_entropy_tokens_of_pi_old(tmp_path):
+    """The mask holds the real tokens whose entropy under the rollout's policy (recomputed here from a plain forward)
+    is in the top half of the batch's real tokens."""
+    from trl_ext.core import entropy_from_logits
+    from trl_ext.models import sequence_inputs
+
+    t = _trainer(tmp_path, response_length=6, top_entropy_quantile=0.5, temperature=0.7)
+    batch = next(iter(t.dataloader))
+    r = t.rollout(batch["input_ids"], batch["attention_mask"])
+    inputs = sequence_inputs(r.queries, r.query_mask, r.responses, r.response_mask)
+    with torch.no_grad():
+        logits = t.unwrapped.policy(**inputs).logits[:, -7:-1]
+    entropy = entropy_from_logits(logits, 0.7)
+    real = entropy[r.response_mask]
+    threshold = torch.quantile(real, 0.5)
+    torch.testing.assert_close(r.entropy_mask, (entropy >= threshold) & r.response_mask, rtol=0, atol=0)
+    assert 0.4 < r.entropy_mask.sum() / r.response_mask.sum() <= 0.6
+    assert _trainer(tmp_path).rollout(batch["input_ids"], batch["attention_mask"]).entropy_mask is None

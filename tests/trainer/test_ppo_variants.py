@@ -25,6 +25,7 @@ from trl_ext.core import (
     length_adaptive_lam,
     loss_denominator,
     masked_whiten,
+    top_entropy_mask,
     value_loss,
 )
 from trl_ext.monitoring.diagnostics import update_metrics
@@ -75,6 +76,19 @@ def test_dual_clip_by_hand():
     logp, old, adv, mask = _one_token_rows([50.0], [-2.0])
     assert clipped_policy_loss(logp, old, adv, mask, 0.2)[0].item() == pytest.approx(100.0)
     assert clipped_policy_loss(logp, old, adv, mask, 0.2, clip_ratio_c=3.0)[0].item() == pytest.approx(6.0)
+
+
+def test_top_entropy_mask_by_hand():
+    """Real entropies 0.1, 0.5, 0.9, 0.3, 0.7; quantile 0.4 keeps the top 40 %: the 0.6 quantile is 0.5 + 0.4·0.2 =
+    0.58 (linear interpolation), so 0.9 and 0.7 stay; the padding (9.0) never does."""
+    entropy = torch.tensor([[0.1, 0.5, 0.9], [0.3, 0.7, 9.0]])
+    mask = torch.tensor([[True, True, True], [True, True, False]])
+    assert top_entropy_mask(entropy, mask, 0.4).tolist() == [[False, False, True], [False, True, False]]
+    assert top_entropy_mask(entropy, mask, 1.0).tolist() == mask.tolist()
+    # the population of every process: here another's entropies 0.95 and 1.0 raise the threshold past 0.7
+    population = torch.tensor([0.1, 0.5, 0.9, 0.3, 0.7, 0.95, 1.0])
+    assert top_entropy_mask(entropy, mask, 0.3, population).tolist() == [[False, False, False], [False, False, False]]
+    assert top_entropy_mask(entropy, mask, 0.45, population).tolist() == [[False, False, True], [False, False, False]]
 
 
 def test_cispo_by_hand():
@@ -194,6 +208,8 @@ def test_bad_variant_settings_name_the_value_and_the_fix(tmp_path):
         (dict(beta=-0.1), "beta=-0.1 must be >= 0"),
         (dict(kl_loss_estimator="k4"), "kl_loss_estimator='k4' is not one of"),
         (dict(loss_type="bnpo"), "'dapo' is its accumulation-invariant form"),
+        (dict(top_entropy_quantile=0.0), "top_entropy_quantile=0.0 must be in \\(0, 1\\]"),
+        (dict(top_entropy_quantile=0.2, rollout_logprobs="sampler"), "set rollout_logprobs='trainer'"),
         (dict(loss_type="cispo"), "set it \\(MiniMax-M1 / ScaleRL: 4.0"),
         (dict(loss_type="cispo", clip_ratio_high=4.0, clip_ratio_c=3.0), "clip_ratio_c=3.0 .* drop it"),
         (dict(loss_type="grpo", loss_agg_mode="token-sum"), "aggregates as 'seq-mean-token-mean' but loss_agg_mode"),
@@ -381,6 +397,8 @@ def reference_update(rollout, minibatches, cliprange=0.2, clip_ratio_high=None, 
             pg = -adv * ratio.clamp(max=1 + high).detach() * logp
         if clip_ratio_c is not None:
             pg = torch.where(adv < 0, torch.min(pg, -adv * clip_ratio_c), pg)
+        if r.entropy_mask is not None:  # top_entropy_quantile: the policy-gradient term of the other tokens weighs 0
+            pg = pg * r.entropy_mask  # (TRL: before the KL term is added; the denominator unchanged)
         log_p = torch.log_softmax(logits.float() / runs.TEMPERATURE, -1)
         pg = pg + entropy_coef * (log_p.exp() * log_p).sum(-1)  # − c·H per token, H = −Σ p log p
         to_ref = r.ref_logprobs - logp  # log π_ref / π_θ
@@ -455,6 +473,25 @@ def test_rows_out_of_the_policy_loss_leave_its_terms_and_denominator(tmp_path, r
         policy, value = runs.models(tok)
         t = runs.trainer(str(tmp_path / str(ga)), tok, policy, value, rows=B, ga=ga, minibatches=2,
                          mask_truncated_completions=True, **overrides)
+        torch.manual_seed(7)
+        t.ppo_update(masked)
+        torch.testing.assert_close(runs.flat(policy, value), expected, rtol=0, atol=1e-5,
+                                   msg=lambda m, ga=ga: f"ga={ga}: {m}")
+
+
+def test_the_top_entropy_mask_weighs_the_other_tokens_zero_for_any_accumulation(tmp_path, rollout):
+    """A rollout whose entropy mask keeps every other real token: the policy loss of the others is 0, the
+    denominators are the response mask's (TRL's rule), the KL term and the value loss untouched."""
+    keep = (torch.arange(rollout.response_mask.shape[1])[None] % 2 == 0) & rollout.response_mask
+    masked = Rollout(**{**vars(rollout), "entropy_mask": keep})
+    overrides = dict(beta=2.0)
+    expected = reference_update(masked, minibatch_order(7, 2), **overrides)
+    assert (expected - reference_update(rollout, minibatch_order(7, 2), **overrides)).abs().max() > 1e-4
+    for ga in (1, 2, 4):
+        tok = tiny_tokenizer()
+        policy, value = runs.models(tok)
+        t = runs.trainer(str(tmp_path / str(ga)), tok, policy, value, rows=B, ga=ga, minibatches=2,
+                         top_entropy_quantile=0.5, **overrides)
         torch.manual_seed(7)
         t.ppo_update(masked)
         torch.testing.assert_close(runs.flat(policy, value), expected, rtol=0, atol=1e-5,
@@ -577,6 +614,7 @@ def test_a_run_with_every_variant_on_trains_and_logs_them(tmp_path):
     ("KL loss", dict(beta=0.04)),
     ("truncated completions masked", dict(mask_truncated_completions=True)),
     ("CISPO", dict(loss_type="cispo", clip_ratio_high=4.0)),
+    ("top-entropy tokens (80/20)", dict(top_entropy_quantile=0.2)),
 ])
 def test_each_variant_trains(tmp_path, name, overrides):
     first, last = _learned(train(tmp_path, **overrides))
@@ -615,5 +653,6 @@ def test_the_variants_are_command_line_flags(tmp_path):
     assert args.clip_ratio_low is None and args.lam_policy is None  # unset: cliprange and lam
     (args,) = TrlParser((PPOConfig,)).parse_args_and_config([
         "--output_dir", str(tmp_path), "--bf16", "False", "--loss_type", "cispo", "--clip_ratio_high", "4.0",
-        "--mask_truncated_completions", "true"])
-    assert (args.loss_type, args.clip_ratio_high, args.mask_truncated_completions) == ("cispo", 4.0, True)
+        "--mask_truncated_completions", "true", "--top_entropy_quantile", "0.2", "--cast_lm_head_to_fp32", "true"])
+    assert (args.loss_type, args.clip_ratio_high, args.mask_truncated_completions, args.top_entropy_quantile,
+            args.cast_lm_head_to_fp32) == ("cispo", 4.0, True, 0.2, True)

@@ -33,6 +33,7 @@ from .masks import (
     masked_whiten,
     real_rows,
     response_mask_from_stop,
+    top_entropy_mask,
 )
 from .rewards import shape_rewards
 
@@ -72,6 +73,7 @@ __all__ = [
     "response_mask_from_stop",
     "shape_rewards",
     "token_logprobs",
+    "top_entropy_mask",
     "token_mean",
     "value_loss",
 ]

@@ -173,3 +173,25 @@ def response_mask_from_stop(responses: torch.Tensor, stop_token_id: int | None) 
     # stops strictly before position t; t is real iff there are none
     stops_before = is_stop.long().cumsum(1) - is_stop.long()
     return stops_before == 0
+
+
+def top_entropy_mask(entropy: torch.Tensor, response_mask: torch.Tensor, quantile: float,
+                     population: torch.Tensor | None = None) -> torch.Tensor:
+    """The high-entropy "forking" tokens (Wang et al. 2025, https://arxiv.org/abs/2506.01939; TRL's
+    top_entropy_quantile): True on the real tokens whose entropy is at least the (1 − quantile) quantile of
+    `population`, so about `quantile` of the tokens are kept.
+
+    Args:
+        entropy: (B, T) per-token entropy.
+        response_mask: (B, T) bool.
+        quantile: in (0, 1]; 1 keeps every real token.
+        population: 1-D entropies the threshold is taken over (every process's real tokens); None: this batch's.
+
+    Returns:
+        (B, T) bool.
+    """
+    if not 0 < quantile <= 1:
+        raise ValueError(f"top_entropy_quantile={quantile} must be in (0, 1] (the 80/20 paper: 0.2)")
+    population = entropy[response_mask] if population is None else population
+    threshold = torch.quantile(population.float(), 1 - quantile)
+    return (entropy >= threshold) & response_mask

@@ -22,12 +22,14 @@ import torch
 from ..core import (
     compute_gae,
     constant_groups,
+    entropy_from_logits,
     group_advantages,
     length_adaptive_lam,
     masked_whiten,
     sampler_correction_weights,
     shape_rewards,
     token_logprobs,
+    top_entropy_mask,
 )
 from ..models import LOGPROB_CHUNK, Packing, sequence_inputs
 
@@ -55,6 +57,8 @@ class Rollout:
     # layers (models.FrozenTrunk): the update runs only the layers above it
     policy_mask: torch.Tensor | None = None  # (B, T) bool, the tokens of the policy loss when they are not the
     # response mask's: mask_truncated_completions leaves the completions cut at response_length out
+    entropy_mask: torch.Tensor | None = None  # (B, T) bool, top_entropy_quantile: the tokens whose entropy under
+    # π_old is in the rollout's top quantile; the policy loss weighs the others 0 (its denominator unchanged)
 
     def __len__(self) -> int:
         return self.queries.shape[0]
@@ -122,6 +126,7 @@ class _Scored:
     ref_logprobs: torch.Tensor
     values: torch.Tensor
     trunk_hidden: torch.Tensor | None
+    entropy: torch.Tensor | None = None  # (B, T) π_old's entropy at each response position (top_entropy_quantile)
 
 
 class RolloutPhase:
@@ -240,7 +245,8 @@ class RolloutPhase:
         policy = self.backend.unwrap().policy
         trunk = getattr(self.backend.unwrap(), "trunk", None)  # the critic's frozen trunk, its output kept
         T = responses.shape[1]
-        parts = {name: [] for name in ("logprobs", "ref_logprobs", "values", "trunk")}
+        parts = {name: [] for name in ("logprobs", "ref_logprobs", "values", "trunk", "entropy")}
+        entropy = args.top_entropy_quantile < 1  # π_old's entropy from the same logits
         for s in self._chunks(query_mask, response_mask):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
             packing = Packing.of(inputs, response_mask[s]) if args.padding_free else None
@@ -264,17 +270,24 @@ class RolloutPhase:
                     logits, value = model(**inputs, logits_to_keep=T + 1, **kept)
                     parts["logprobs"].append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:],
                                                             args.temperature, LOGPROB_CHUNK))
+                    if entropy:
+                        parts["entropy"].append(entropy_from_logits(logits[:, -T - 1 : -1], args.temperature,
+                                                                    LOGPROB_CHUNK).float())
                     del logits
                 else:
                     logits, value = model(**forward, logits_to_keep=packing.keep, **kept)  # (1, R, V)
                     parts["logprobs"].append(packing.logprobs(logits, args.temperature))
+                    if entropy:
+                        parts["entropy"].append(packing.responses(
+                            entropy_from_logits(logits, args.temperature, LOGPROB_CHUNK)[0].float()))
                     del logits
                 parts["values"].append((value[:, -T - 1 : -1] if packing is None
                                         else packing.values(value)).float())
         logprobs = torch.cat(parts["logprobs"])
         return _Scored(logprobs=logprobs, ref_logprobs=torch.cat(parts["ref_logprobs"]),
                        values=torch.cat(parts["values"]) * response_mask,
-                       trunk_hidden=torch.cat(parts["trunk"]) if trunk is not None else None)
+                       trunk_hidden=torch.cat(parts["trunk"]) if trunk is not None else None,
+                       entropy=torch.cat(parts["entropy"]) if entropy else None)
 
     def _condition(self, scores, responses, response_mask) -> torch.Tensor:
         """Score conditioning: normalise (running statistics over all processes) and clip, then the stop penalty."""
@@ -313,6 +326,13 @@ class RolloutPhase:
                                      args.multi_objective_aggregation, batch.source_scores,
                                      torch.tensor(self.reward_scorer.weights), self.backend.gather)
             advantages = ((1 - w) * advantages + w * group[:, None].to(advantages)) * response_mask
+        entropy_mask = None
+        if scored.entropy is not None:  # the threshold over every process's real tokens
+            padded = self.backend.accelerator.pad_across_processes(
+                torch.where(response_mask, scored.entropy, -1.0), dim=1, pad_index=-1.0)
+            population = self.backend.gather(padded)
+            entropy_mask = top_entropy_mask(scored.entropy, response_mask, args.top_entropy_quantile,
+                                            population[population >= 0])
         policy_mask = None
         if args.mask_truncated_completions:  # only completions that stopped train the policy (TRL's GRPO)
             stopped = ((batch.responses == self.stop_token_id) & response_mask).any(dim=1)
@@ -335,4 +355,4 @@ class RolloutPhase:
                        returns=returns, source_scores=batch.source_scores, sampler_logprobs=sampler_logprobs,
                        sampler_weights=sampler_weights,
                        advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None,
-                       trunk_hidden=scored.trunk_hidden, policy_mask=policy_mask)
+                       trunk_hidden=scored.trunk_hidden, policy_mask=policy_mask, entropy_mask=entropy_mask)

@@ -69,6 +69,8 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
     weights, keep = micro.sampler_weights, None
     if micro.policy_mask is not None:  # rows out of the loss: weight 0 (the denominator leaves them out too)
         weights = mask.float() if weights is None else weights * mask
+    if micro.entropy_mask is not None:  # top_entropy_quantile: only the forking tokens (the denominator unchanged)
+        weights = micro.entropy_mask.float() if weights is None else weights * micro.entropy_mask
     if args.off_policy_mask_threshold is not None:  # against the policy that sampled (π_old when it is the sampler's)
         behaviour = micro.logprobs if micro.sampler_logprobs is None else micro.sampler_logprobs
         keep = off_policy_sequence_mask(micro.advantages, new_logprobs, behaviour, micro.response_mask,
