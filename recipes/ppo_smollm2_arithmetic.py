@@ -107,6 +107,7 @@ class ScriptArguments:
     max_train_seconds: float | None = field(
         default=None, metadata={"help": "Stop training after this many seconds (checked after each PPO step)."})
     eval_before: bool = field(default=True, metadata={"help": "Measure the held-out accuracy before training too."})
+    held_out_size: int = field(default=HELD_OUT, metadata={"help": f"Held-out prompts evaluated (at most {HELD_OUT})."})
 
 
 # 40 PPO steps of 8 completions of at most 16 tokens, temperature 0.7 (at 1.0 the model's answers are near-random),
@@ -176,6 +177,7 @@ def build_trainer(script_args, args, model_args, reward=correct, callbacks=()):
 def main(argv: list[str] | None = None) -> dict:
     script_args, args, model_args = parse_args((ScriptArguments, PPOConfig, ModelConfig), RECIPE_DEFAULTS, argv)
     trainer, held_out = build_trainer(script_args, args, model_args)
+    held_out = held_out.select(range(min(script_args.held_out_size, len(held_out))))
     policy, tokenizer = trainer.unwrapped.policy, trainer.processing_class
     accuracy = {}
     if script_args.eval_before:
@@ -189,7 +191,7 @@ def main(argv: list[str] | None = None) -> dict:
                "steps": trainer.state.global_step, "episodes": trainer.state.episode}
     if trainer.is_world_process_zero():
         before = f"{accuracy['before']:.3f} -> " if "before" in accuracy else ""
-        print(f"[recipe] held-out accuracy ({HELD_OUT} prompts, temperature {args.temperature}): {before}"
+        print(f"[recipe] held-out accuracy ({len(held_out)} prompts, temperature {args.temperature}): {before}"
               f"{accuracy['after']:.3f} after {trainer.state.global_step} steps ({trainer.state.episode} completions) "
               f"in {wall:.0f} s; adapter in {args.output_dir}", flush=True)
     return summary
