@@ -36,6 +36,8 @@ and how it held the parameters.
   when given by path, then `resume_from_checkpoint=True` falls back to checkpoint-1. `killed_in_save`: hangs inside
   the save of checkpoint-2 (`hang_in_save`: after every process wrote its files) until the test SIGKILLs the launch;
   `killed_resumed` (the next launch): `resume_from_checkpoint=True` in its folder.
+- `dynamic`: groups of 2 completions, dynamic sampling with at most 3 draws, a reward constant on half the prompts:
+  the processes need different numbers of draws and must make as many (their forwards meet under ZeRO-3).
 - `async_synchronous`: `straight` with async_rollouts at max_staleness=0 (must be `straight`); `async_stale`: at
   max_staleness=1; `async_interrupted` / `async_resumed`: `async_stale` stopped after 2 iterations with a checkpoint
   each, and resumed from checkpoint-2 (must be `async_stale`); `async_refused`: the error under ZeRO-3 / FSDP2.
@@ -234,8 +236,10 @@ def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: flo
                   report_to=[], save_strategy="no", num_sample_generations=0, bf16=False, disable_tqdm=True,
                   logging_steps=1, seed=5, gradient_checkpointing=False)
     eval_dataset = overrides.pop("eval_dataset", None)
+    reward = overrides.pop("reward", None)
     kwargs.update(overrides)
     policy, reward_model, value_model = whole_models(tok, eos_bias, frozen_critic)
+    reward_model = reward or reward_model
     args = PPOConfig(**kwargs)
     if from_disk:  # saved by the main process after the config (and a ZeRO-3 launch) exists, loaded by each
         folder = os.path.join(out_dir, "models")
@@ -356,6 +360,11 @@ def refused(name: str, out: str, make) -> dict:
     return result
 
 
+def half_constant_reward(prompts, completions):
+    """0 for every completion of a prompt with an even checksum (a constant group), else the completion's length."""
+    return [0.0 if zlib.crc32(p.encode()) % 2 == 0 else float(len(c)) for p, c in zip(prompts, completions)]
+
+
 def run(name: str, out: str) -> dict:
     per_device = GLOBAL_BATCH // _world_size_hint()
     run_dir = os.path.join(out, name)
@@ -445,6 +454,10 @@ def run(name: str, out: str) -> dict:
             t = make(run_dir)
             t.train()
         extra["async_log"] = t.async_rollouts.log
+    elif name == "dynamic":  # groups of 2; half the prompts score every completion 0: constant groups, redrawn
+        t = build(run_dir, per_device, 3, num_generations=2, dynamic_sampling=True, max_num_gen_batches=3,
+                  reward=half_constant_reward)
+        t.train()
     elif name == "killed_in_save":
         hang_in_save(2, out)
         t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1, save_strategy="steps", save_steps=1)
@@ -455,7 +468,7 @@ def run(name: str, out: str) -> dict:
                          "packed, packed_own_rows, packed_budget, warmup, loaded, "
                          "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast, "
                          "preempted, preempted_resumed, damaged, killed_in_save, killed_resumed, async_synchronous, "
-                         "async_stale, async_interrupted, async_resumed, async_refused")
+                         "async_stale, async_interrupted, async_resumed, async_refused, dynamic")
     result = summary(t) | {"initial": initial} | extra
     if t.accelerator.is_main_process:
         torch.save(result, os.path.join(out, f"{name}.pt"))

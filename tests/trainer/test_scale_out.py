@@ -82,6 +82,8 @@ SHARED_RUNS = {"ddp": ["shared_matched", "shared_straight", "shared_interrupted"
 # weights are sharded
 ASYNC_RUNS = {"ddp": ["async_synchronous", "async_stale", "async_interrupted", "async_resumed"], "zero2": [],
               "zero3": ["async_refused"], "fsdp2": ["async_refused"], "fsdp2_sharded": []}
+# dynamic sampling's further draws: as many on every process (ZeRO-3 gathers the weights for each generation)
+GROUP_RUNS = {"ddp": ["dynamic"], "zero2": [], "zero3": ["dynamic"], "fsdp2": [], "fsdp2_sharded": []}
 PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526, "fsdp2_sharded": 29527}
 
 # Differ between 2 processes and 1 by construction, not by a fault:
@@ -108,7 +110,7 @@ def launched(request, tmp_path_factory):
     engine = request.param
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    runs = RUNS + FAULT_RUNS + SHARED_RUNS[engine] + ASYNC_RUNS[engine]
+    runs = RUNS + FAULT_RUNS + SHARED_RUNS[engine] + ASYNC_RUNS[engine] + GROUP_RUNS[engine]
     if engine == "ddp":
         env["ACCELERATE_USE_CPU"] = "true"
 
@@ -456,3 +458,17 @@ def test_async_rollouts_on_two_processes(launched):
     assert [log["rollout/staleness"] for log in stale["logs"]] == [0.0, 1.0, 1.0, 1.0]
     assert not torch.equal(stale["policy"], straight["policy"])
     _as_straight(results["async_resumed"], stale, engine)
+
+
+def test_dynamic_sampling_on_two_processes(launched):
+    """Every process makes as many draws (the largest need), each iteration trains on full batches, and the draw
+    counts are the same in every process's logs."""
+    engine, results, _ = launched
+    if engine not in ("ddp", "zero3"):
+        return
+    run = results["dynamic"]
+    assert run["global_step"] == 3 and run["world_size"] == 2
+    draws = [log["rollout/dynamic_draws"] for log in run["logs"]]
+    assert all(1 <= d <= 3 for d in draws) and max(draws) >= 2, draws
+    assert [log["rollout/completions_drawn"] for log in run["logs"]] == [8 * d for d in draws]
+    assert any(0 < log["rollout/dynamic_dropped_frac"] < 1 for log in run["logs"])
