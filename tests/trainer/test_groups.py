@@ -307,3 +307,13 @@ def test_the_rollout_keeps_the_top_entropy_tokens_of_pi_old(tmp_path):
     torch.testing.assert_close(r.entropy_mask, (entropy >= threshold) & r.response_mask, rtol=0, atol=0)
     assert 0.4 < r.entropy_mask.sum() / r.response_mask.sum() <= 0.6
     assert _trainer(tmp_path).rollout(batch["input_ids"], batch["attention_mask"]).entropy_mask is None
+
+
+def test_the_top_entropy_mask_is_the_same_padding_free(tmp_path):
+    masks = []
+    for padding_free in (False, True):
+        t = _trainer(tmp_path / str(padding_free), response_length=6, top_entropy_quantile=0.3,
+                     padding_free=padding_free)
+        batch = next(iter(t.dataloader))
+        masks.append(t.rollout(batch["input_ids"], batch["attention_mask"]).entropy_mask)
+    assert torch.equal(masks[0], masks[1]) and masks[0].any()
