@@ -14,8 +14,10 @@ completions it scores). Every run is its own Python process with all the machine
 Held-out accuracy: the recipe's `held_out_accuracy` (256 prompts never trained on, one completion each at temperature
 0.7 from a fixed seed) of the LoRA adapter as it was when the run had drawn 1/3, 2/3 and all of its completions (the
 adapter is copied then and evaluated after training, so the wall-clock is training alone), and of the untrained model
-once. Writes `<out>/results.json` (every run, every snapshot), `<out>/results.md` (the table) and
-`<out>/accuracy.png` (held-out accuracy against completions drawn and against training seconds).
+once. For trl_ext's runs the seconds of each phase (generation, reference, policy_and_value, reward, update,
+critic_warmup) are kept too: where PPO's time goes. Writes `<out>/results.json` (every run, every snapshot),
+`<out>/results.md` (the table) and `<out>/accuracy.png` (held-out accuracy against completions drawn and against
+training seconds).
 
 Trainers (their settings beyond the shared ones):
 - `grpo`: TRL's `GRPOTrainer` with its defaults (loss_type "dapo", β 0, one iteration per generation, scale_rewards
@@ -96,6 +98,19 @@ def snapshot_callback(policy, reward: CountingReward, marks: list[int], snapshot
     return Snapshots()
 
 
+class PhaseSeconds:
+    """A `trainer.phases` listener: the seconds spent in each of trl_ext's phases (trl_ext/monitoring/phases.py)."""
+
+    def __init__(self):
+        self.seconds, self.started = {}, {}
+
+    def start(self, name):
+        self.started[name] = time.perf_counter()
+
+    def stop(self, name):
+        self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - self.started.pop(name)
+
+
 def grpo_trainer(seed: int, budget: int, output_dir: str, reward, callbacks, learning_rate: float = 3e-4):
     from ppo_smollm2_arithmetic import build_datasets
     from transformers import AutoModelForCausalLM
@@ -153,6 +168,9 @@ def worker(name: str, seed: int, budget: int, out: str, held_out_size: int, grpo
             build = (lambda *a: grpo_trainer(*a, grpo_lr)) if name == "grpo" else (lambda *a: ppo_trainer(name, *a))
             trainer, policy, tokenizer, held_out, temperature, length = build(seed, budget, tmp, reward, [])
             trainer.add_callback(snapshot_callback(policy, reward, marks, snapshots))
+            phases = PhaseSeconds()
+            if hasattr(trainer, "phases"):  # trl_ext's: where PPO's time goes
+                trainer.phases.add(phases)
             start = time.perf_counter()
             trainer.train()
             train_s = time.perf_counter() - start
@@ -166,6 +184,7 @@ def worker(name: str, seed: int, budget: int, out: str, held_out_size: int, grpo
     result = {"trainer": name, "seed": seed, "budget": budget, "held_out": len(held_out), "snapshots": runs}
     if name != "base":
         result["train_seconds"] = train_s
+        result["phase_seconds"] = phases.seconds
         history = [h for h in trainer.state.log_history if "loss" in h or "objective/scores" in h]
         result["log_history"] = history
     with open(out, "w") as f:

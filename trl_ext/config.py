@@ -222,7 +222,8 @@ class PPOConfig(PPOConfigBase):
     group_advantage_weight: float = field(
         default=0.0,
         metadata={"help": "w in [0, 1]: each token's advantage is (1 − w) × the whitened GAE advantage + w × its "
-                  "completion's group-relative advantage (GRPO's: the score minus its group's mean, over scale_rewards' "
+                  "completion's group-relative advantage (GRPO's: the score minus its group's mean, over "
+                  "scale_rewards' "
                   "std), the group baseline mixed in. 1: GRPO's advantage, the critic still trained. Needs "
                   "num_generations >= 2. 0: GAE alone."},
     )
@@ -259,7 +260,8 @@ class PPOConfig(PPOConfigBase):
     )
     loss_type: str | None = field(
         default=None,
-        metadata={"help": "TRL's GRPO loss names: 'dapo' (the PPO loss, token-mean: the default), 'grpo' (loss_agg_mode "
+        metadata={"help": "TRL's GRPO loss names: 'dapo' (the PPO loss, token-mean: the default), 'grpo' "
+                  "(loss_agg_mode "
                   "seq-mean-token-mean), 'dr_grpo' (seq-mean-token-sum-norm) or 'cispo' (MiniMax-M1's clipped "
                   "importance-sampling weights, token-mean: −sg(min(ρ, 1 + clip_ratio_high))·A·log π_θ; TRL's "
                   "epsilon_high 5.0 is clip_ratio_high 4.0 here). None: the PPO loss with loss_agg_mode."},
@@ -617,7 +619,8 @@ class PPOConfig(PPOConfigBase):
                f"importance_sampling_level={self.importance_sampling_level!r} is not one of "
                f"{IMPORTANCE_SAMPLING_LEVELS}.")
         _check(0 < self.top_entropy_quantile <= 1,
-               f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0: every token; the 80/20 paper: "
+               f"top_entropy_quantile={self.top_entropy_quantile} must be in (0, 1] (1.0: every token; the 80/20 "
+               "paper: "
                "0.2).")
         _check(self.top_entropy_quantile == 1 or self.rollout_logprobs == "trainer",
                f"top_entropy_quantile={self.top_entropy_quantile} takes π_old's entropy from the rollout's policy "

@@ -43,10 +43,10 @@ from .value import (
 )
 
 __all__ = [
-    "CHECKPOINTING_KWARGS", "CRITIC", "FP32Head", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "Packing", "PolicyAndValueWrapper",
-    "REWARD", "Sampling", "SharedBaseModels", "SharedRoleModel", "TokenSampler", "accepts_logits_to_keep",
-    "build_shared_base", "build_value_model", "cast_lm_head_to_fp32", "check_padding_free", "disable_bnb_cpu_repack", "disable_dropout",
-    "eval_mode",
+    "CHECKPOINTING_KWARGS", "CRITIC", "FP32Head", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "Packing",
+    "PolicyAndValueWrapper", "REWARD", "Sampling", "SharedBaseModels", "SharedRoleModel", "TokenSampler",
+    "accepts_logits_to_keep", "build_shared_base", "build_value_model", "cast_lm_head_to_fp32", "check_padding_free",
+    "disable_bnb_cpu_repack", "disable_dropout", "eval_mode",
     "freeze_backbone", "generate_responses", "generation_config_of", "is_quantized", "lm_logits",
     "lora_for_quantized_value_model", "model_input_ids", "position_ids_from_mask", "probe_batch",
     "response_logprobs", "sampling_config", "scalar_head_outputs", "sequence_inputs",

@@ -24,7 +24,8 @@ Alarms (the name is `Alarm.name` and the ``alarm/<name>`` log key):
 ``value_lag``                 ``val/explained_variance <= explained_variance_min`` on ``value_lag_steps`` consecutive
                               logged steps after critic warmup (``val/warmup`` is 0 or missing).
 ``entropy_collapse``          ``policy/entropy_avg`` fell on each of the last ``entropy_window`` logged steps and is
-                              below ``entropy_drop`` × its first logged value.
+                              below ``entropy_drop`` × its first logged value, while ``objective/scores`` rose by less
+                              than ``entropy_score_rise`` over those steps (inf by default: the score not consulted).
 ``length_exploitation``       ``rollout/truncation_rate > truncation_max`` and either it rose by more than
                               ``truncation_rise`` over the last ``length_window`` logged steps, or
                               ``rollout/response_length_mean`` rose on each of those steps.
@@ -79,7 +80,8 @@ from typing import Any
 from transformers import TrainerCallback
 from transformers.trainer_callback import ExportableState
 
-__all__ = ["ALARM_NAMES", "ALARM_PROFILES", "Alarm", "AlarmCallback", "AlarmMonitor", "AlarmThresholds", "PPOAlarmWarning", "profile_thresholds"]
+__all__ = ["ALARM_NAMES", "ALARM_PROFILES", "Alarm", "AlarmCallback", "AlarmMonitor", "AlarmThresholds",
+           "PPOAlarmWarning", "profile_thresholds"]
 
 ALARM_NAMES = ("kl_blowup", "generator_mismatch", "value_lag", "entropy_collapse", "length_exploitation",
                "reward_hacking", "nonfinite_update")

@@ -211,8 +211,8 @@ class PPOTrainer(PPOTrainerBase):
             raise ValueError(f"missing_eos_penalty={args.missing_eos_penalty} is set but there is no stop token "
                              "(stop_token='none'): set a stop token or drop the penalty.")
         if args.mask_truncated_completions and self.stop_token_id is None:
-            raise ValueError("mask_truncated_completions=True leaves completions without a stop token out of the policy "
-                             "loss, but there is no stop token (stop_token='none'): every completion would be left "
+            raise ValueError("mask_truncated_completions=True leaves completions without a stop token out of the "
+                             "policy loss, but there is no stop token (stop_token='none'): every completion would be left "
                              "out. Set a stop token or drop the setting.")
 
     def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
