@@ -212,8 +212,8 @@ class PPOTrainer(PPOTrainerBase):
                              "(stop_token='none'): set a stop token or drop the penalty.")
         if args.mask_truncated_completions and self.stop_token_id is None:
             raise ValueError("mask_truncated_completions=True leaves completions without a stop token out of the "
-                             "policy loss, but there is no stop token (stop_token='none'): every completion would be left "
-                             "out. Set a stop token or drop the setting.")
+                             "policy loss, but there is no stop token (stop_token='none'): every completion would be "
+                             "left out. Set a stop token or drop the setting.")
 
     def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
         """A `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever the
