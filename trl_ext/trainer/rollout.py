@@ -97,8 +97,9 @@ class _Batch:
 
     def select(self, rows: list[int]) -> _Batch:
         pick = torch.tensor(rows, dtype=torch.long, device=self.queries.device)
-        return _Batch(self.queries[pick], self.query_mask[pick], {k: [v[i] for i in rows]
-                                                                  for k, v in self.extra_columns.items()},
+        columns = {k: v[pick.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in rows]
+                   for k, v in self.extra_columns.items()}  # (lists, or tensors from a collator of the user's)
+        return _Batch(self.queries[pick], self.query_mask[pick], columns,
                       self.responses[pick], self.response_mask[pick], self.sampler_logprobs[pick],
                       self.scores[pick], self.source_scores[pick])
 
@@ -112,7 +113,9 @@ class _Batch:
 
         return _Batch(padded([p.queries for p in parts], pad_token_id, True),
                       padded([p.query_mask for p in parts], False, True),
-                      {k: [x for p in parts for x in p.extra_columns[k]] for k in parts[0].extra_columns},
+                      {k: torch.cat([p.extra_columns[k] for p in parts])
+                       if isinstance(parts[0].extra_columns[k], torch.Tensor)
+                       else [x for p in parts for x in p.extra_columns[k]] for k in parts[0].extra_columns},
                       padded([p.responses for p in parts], pad_token_id, False),
                       padded([p.response_mask for p in parts], False, False),
                       padded([p.sampler_logprobs for p in parts], 0.0, False),
