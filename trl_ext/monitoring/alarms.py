@@ -233,11 +233,14 @@ class AlarmThresholds:
         return asdict(self)
 
 
-# Threshold presets per kind of run (PPOConfig.alarm_profile); alarm_thresholds override single values. Measured runs
-# behind each number: docs/results.md, "Verifiable rewards".
+# Threshold presets per kind of run (PPOConfig.alarm_profile); alarm_thresholds override single values. The runs
+# behind each number: tests/data/verifiable_metric_streams.json, docs/results.md ("Verifiable rewards").
 ALARM_PROFILES: dict[str, dict[str, float]] = {
     "rlhf": {},  # a learned reward model: the defaults
-    "verifiable": {},
+    # a right-or-wrong score: the entropy falls as the policy converges on the answers (judged against the score),
+    # objective/kl of a small batch jumps by up to ~9 nats on one unlikely completion, and the KL grows a few nats
+    # while a noisy 0/1 score creeps up (a verifier cannot be bought with drift); the update-size limits stay
+    "verifiable": {"entropy_score_rise": 0.05, "kl_jump": 10.0, "hacking_kl_min": 5.0, "hacking_ratio": 50.0},
 }
 
 
