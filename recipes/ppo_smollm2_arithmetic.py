@@ -124,6 +124,7 @@ RECIPE_DEFAULTS = dict(
     temperature=0.7,
     learning_rate=3e-4,
     kl_coef=0.05,
+    alarm_profile="verifiable",  # a right-or-wrong score (docs/metrics-and-alarms.md)
     **LORA_DEFAULTS,
 )
 
