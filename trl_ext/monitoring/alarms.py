@@ -238,9 +238,12 @@ class AlarmThresholds:
 ALARM_PROFILES: dict[str, dict[str, float]] = {
     "rlhf": {},  # a learned reward model: the defaults
     # a right-or-wrong score: the entropy falls as the policy converges on the answers (judged against the score),
-    # objective/kl of a small batch jumps by up to ~9 nats on one unlikely completion, and the KL grows a few nats
-    # while a noisy 0/1 score creeps up (a verifier cannot be bought with drift); the update-size limits stay
-    "verifiable": {"entropy_score_rise": 0.05, "kl_jump": 10.0, "hacking_kl_min": 5.0, "hacking_ratio": 50.0},
+    # objective/kl of a small batch jumps by up to ~9 nats on one unlikely completion, the KL grows a few nats while
+    # a noisy 0/1 score creeps up (a verifier cannot be bought with drift), and a verifier does not pay for length
+    # (a cut answer scores 0) while the truncation rate of 8 rollouts swung 0.125 -> 0.875 in runs that learned;
+    # the update-size limits stay
+    "verifiable": {"entropy_score_rise": 0.05, "kl_jump": 10.0, "hacking_kl_min": 5.0, "hacking_ratio": 50.0,
+                   "truncation_max": 0.9},
 }
 
 
