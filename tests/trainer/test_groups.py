@@ -202,9 +202,12 @@ def test_the_group_fields_are_command_line_flags(tmp_path):
     (args,) = TrlParser((PPOConfig,)).parse_args_and_config([
         "--output_dir", str(tmp_path), "--bf16", "False", "--num_generations", "4", "--group_advantage_weight", "0.5",
         "--scale_rewards", "true", "--multi_objective_aggregation", "normalize_then_sum", "--dynamic_sampling",
-        "true", "--max_num_gen_batches", "3"])
+        "true", "--max_num_gen_batches", "3", "--overlong_buffer_len", "4", "--overlong_penalty_factor", "0.5",
+        "--critic_warmup_steps", "5", "--critic_warmup_explained_variance", "0.3", "--alarm_profile", "verifiable"])
     assert (args.num_generations, args.group_advantage_weight, args.scale_rewards, args.multi_objective_aggregation,
             args.dynamic_sampling, args.max_num_gen_batches) == (4, 0.5, "group", "normalize_then_sum", True, 3)
+    assert (args.overlong_buffer_len, args.overlong_penalty_factor, args.critic_warmup_explained_variance,
+            args.alarm_profile) == (4, 0.5, 0.3, "verifiable")
 
 
 # --------------------------------------------------------------------------------------------- short PPO runs
