@@ -466,17 +466,7 @@ def test_rows_out_of_the_policy_loss_leave_its_terms_and_denominator(tmp_path, r
     keep = torch.ones(B, dtype=torch.bool)
     keep[[1, 5]] = False
     masked = Rollout(**{**vars(rollout), "policy_mask": rollout.response_mask & keep[:, None]})
-    expected = reference_update(masked, minibatch_order(7, 2), **overrides)
-    assert (expected - reference_update(rollout, minibatch_order(7, 2), **overrides)).abs().max() > 1e-4
-    for ga in (1, 2, 4):
-        tok = tiny_tokenizer()
-        policy, value = runs.models(tok)
-        t = runs.trainer(str(tmp_path / str(ga)), tok, policy, value, rows=B, ga=ga, minibatches=2,
-                         mask_truncated_completions=True, **overrides)
-        torch.manual_seed(7)
-        t.ppo_update(masked)
-        torch.testing.assert_close(runs.flat(policy, value), expected, rtol=0, atol=1e-5,
-                                   msg=lambda m, ga=ga: f"ga={ga}: {m}")
+    _masked_update_is_the_reference(tmp_path, rollout, masked, dict(mask_truncated_completions=True), overrides)
 
 
 def test_the_top_entropy_mask_weighs_the_other_tokens_zero_for_any_accumulation(tmp_path, rollout):
@@ -484,14 +474,19 @@ def test_the_top_entropy_mask_weighs_the_other_tokens_zero_for_any_accumulation(
     denominators are the response mask's (TRL's rule), the KL term and the value loss untouched."""
     keep = (torch.arange(rollout.response_mask.shape[1])[None] % 2 == 0) & rollout.response_mask
     masked = Rollout(**{**vars(rollout), "entropy_mask": keep})
-    overrides = dict(beta=2.0)
+    _masked_update_is_the_reference(tmp_path, rollout, masked, dict(top_entropy_quantile=0.5), dict(beta=2.0))
+
+
+def _masked_update_is_the_reference(tmp_path, rollout, masked, flag, overrides):
+    """The trainer's update on `masked` (a rollout with a policy or entropy mask; `flag`: the config field that
+    makes one) equals the reference update for gradient accumulation 1, 2 and 4, and differs from the unmasked one."""
     expected = reference_update(masked, minibatch_order(7, 2), **overrides)
     assert (expected - reference_update(rollout, minibatch_order(7, 2), **overrides)).abs().max() > 1e-4
     for ga in (1, 2, 4):
         tok = tiny_tokenizer()
         policy, value = runs.models(tok)
-        t = runs.trainer(str(tmp_path / str(ga)), tok, policy, value, rows=B, ga=ga, minibatches=2,
-                         top_entropy_quantile=0.5, **overrides)
+        t = runs.trainer(str(tmp_path / str(ga)), tok, policy, value, rows=B, ga=ga, minibatches=2, **flag,
+                         **overrides)
         torch.manual_seed(7)
         t.ppo_update(masked)
         torch.testing.assert_close(runs.flat(policy, value), expected, rtol=0, atol=1e-5,
