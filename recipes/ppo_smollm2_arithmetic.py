@@ -30,6 +30,7 @@ import re
 import time
 from dataclasses import dataclass, field
 
+from transformers import TrainerCallback
 from trl import ModelConfig, get_peft_config
 
 from trl_ext import PPOConfig
@@ -129,26 +130,18 @@ RECIPE_DEFAULTS = dict(
 )
 
 
-class TimeBudget:
-    """A trainer callback that stops training once `seconds` have passed since training began."""
+class TimeBudget(TrainerCallback):
+    """Stops training once `seconds` have passed since training began (checked after each PPO step; None: never)."""
 
     def __init__(self, seconds: float | None):
         self.seconds, self.start = seconds, None
 
-    def __call__(self):  # transformers.TrainerCallback without the import at module level
-        from transformers import TrainerCallback
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.start = time.perf_counter()
 
-        budget = self
-
-        class _Callback(TrainerCallback):
-            def on_train_begin(self, args, state, control, **kwargs):
-                budget.start = time.perf_counter()
-
-            def on_step_end(self, args, state, control, **kwargs):
-                if budget.seconds is not None and time.perf_counter() - budget.start >= budget.seconds:
-                    control.should_training_stop = True
-
-        return _Callback()
+    def on_step_end(self, args, state, control, **kwargs):
+        if self.seconds is not None and time.perf_counter() - self.start >= self.seconds:
+            control.should_training_stop = True
 
 
 def build_trainer(script_args, args, model_args, reward=correct, callbacks=()):
@@ -171,7 +164,7 @@ def build_trainer(script_args, args, model_args, reward=correct, callbacks=()):
     train_dataset, held_out = build_datasets()
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None, reward_model=reward,
                          train_dataset=train_dataset, value_model=value_model, peft_config=get_peft_config(model_args),
-                         callbacks=[TimeBudget(script_args.max_train_seconds)(), *callbacks])
+                         callbacks=[TimeBudget(script_args.max_train_seconds), *callbacks])
     return trainer, held_out
 
 

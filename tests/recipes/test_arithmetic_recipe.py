@@ -33,13 +33,12 @@ def test_the_split_holds_every_pair_once():
 def test_the_time_budget_stops_training():
     from transformers import TrainerControl, TrainerState
 
-    budget = recipe.TimeBudget(0.0)
-    callback = budget()
+    callback = recipe.TimeBudget(0.0)
     control = TrainerControl()
     callback.on_train_begin(None, TrainerState(), control)
     callback.on_step_end(None, TrainerState(), control)
     assert control.should_training_stop
-    unlimited = recipe.TimeBudget(None)()
+    unlimited = recipe.TimeBudget(None)
     control = TrainerControl()
     unlimited.on_train_begin(None, TrainerState(), control)
     unlimited.on_step_end(None, TrainerState(), control)

@@ -214,7 +214,7 @@ class RolloutPhase:
         the batch's groups all differ or `max_num_gen_batches` draws are made; then constant groups of the first draw
         fill what is left. Every process makes as many draws (their forwards meet under ZeRO-3, FSDP and vLLM)."""
         G, B = self.args.num_generations, len(batch.queries)
-        parts, kept = [batch], []  # kept: rows (into the concatenated draws) of the groups that differ
+        parts, kept, constants = [batch], [], []  # kept: rows (into the concatenated draws) of the groups that differ
         for draw in range(self.args.max_num_gen_batches):
             if draw:
                 queries, query_mask, extra = self.more_prompts(step, draw)
@@ -224,16 +224,16 @@ class RolloutPhase:
                 part.scores, part.source_scores = self._rewards(part, trainer_state)
                 parts.append(part)
             offset = B * draw
-            for g in (~constant_groups(parts[-1].scores, G)).nonzero().flatten().tolist():
+            constants.append(constant_groups(parts[-1].scores, G))  # (B / G,) this draw's constant groups
+            for g in (~constants[-1]).nonzero().flatten().tolist():
                 kept.extend(range(offset + g * G, offset + (g + 1) * G))
             short = torch.tensor(float(len(kept) < B), device=batch.queries.device)
             if not self.backend.sum_over_processes(short).item():  # every process's batch is full
                 break
         draws = len(parts)
-        constant = [r for g in constant_groups(batch.scores, G).nonzero().flatten().tolist()
-                    for r in range(g * G, (g + 1) * G)]
+        constant = [r for g in constants[0].nonzero().flatten().tolist() for r in range(g * G, (g + 1) * G)]
         rows = (kept + constant)[:B]
-        dropped = sum(int(constant_groups(p.scores, G).sum()) for p in parts)  # this process's constant groups
+        dropped = sum(int(c.sum()) for c in constants)  # this process's constant groups
         dropped = self.backend.sum_over_processes(torch.tensor(float(dropped), device=batch.queries.device)).item()
         drawn = B * draws * self.backend.num_processes
         self.draw_metrics = {"rollout/dynamic_draws": float(draws), "rollout/completions_drawn": float(drawn),
