@@ -40,6 +40,7 @@ ON_NONFINITE = ("skip", "error")  # what a non-finite loss or gradient norm does
 STOP_TOKENS = ("eos", "none")
 VALUE_MODEL_INITS = ("given", "reward_model", "policy")
 VALUE_HEAD_INITS = ("zero", "keep")
+TOOL_ERRORS = ("feedback", "raise")  # what a tool that raises does in a multi-turn rollout
 
 
 def bf16_in_hardware() -> bool:
@@ -278,6 +279,30 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "Compute the policy's (and a separate reference's) LM head in fp32 with autocast off (TRL's "
                   "GRPO field): fp32 logits under bf16/fp16, so the log-probs of the sampled tokens, the ratio and "
                   "the KL are not rounded to bf16's 8 bits. Costs fp32 logits in memory (2x bf16's)."},
+    )
+    max_tool_calling_iterations: int | None = field(
+        default=None,
+        metadata={"help": "Multi-turn rollouts (PPOTrainer's tools, environment_factory): the most rounds of tool "
+                  "results or environment feedback in one conversation (TRL's GRPO field); the conversation ends "
+                  "after the model's turn that reaches it. None: no cap but response_length, which bounds the whole "
+                  "conversation after the prompt (model, tool and environment tokens)."},
+    )
+    max_turn_length: int | None = field(
+        default=None,
+        metadata={"help": "Multi-turn rollouts: the most tokens the model generates in one turn; a turn cut there "
+                  "ends the conversation (truncated). None: what is left of response_length."},
+    )
+    tool_timeout: float | None = field(
+        default=300.0,
+        metadata={"help": "Multi-turn rollouts: seconds a tool call or an environment's step may take; one that "
+                  "takes longer stops the run with ToolTimeoutError naming it (a call that never returns would "
+                  "stall every process). None: wait for ever."},
+    )
+    tool_errors: str = field(
+        default="feedback",
+        metadata={"help": "Multi-turn rollouts: what a tool that raises does. 'feedback' (TRL's): the model gets "
+                  "{'error': message} as the tool's result and the call counts in tools/failure_frequency; 'raise': "
+                  "the run stops with ToolCallError naming the tool, its arguments and the error."},
     )
     loss_agg_mode: str = field(
         default="token-mean",
@@ -542,7 +567,8 @@ class PPOConfig(PPOConfigBase):
         """Every field's check, by group; each error names the value and the fix."""
         for group in (self._check_choices, self._check_trl_update_fields, self._check_ppo_variants,
                       self._check_trl_rollout_fields, self._check_kl_control_and_critic, self._check_faults,
-                      self._check_vllm, self._check_async, self._check_rewards_and_alarms, self._check_packing):
+                      self._check_vllm, self._check_async, self._check_rewards_and_alarms, self._check_packing,
+                      self._check_multi_turn):
             group()
 
     def _check_choices(self) -> None:
@@ -812,3 +838,15 @@ class PPOConfig(PPOConfigBase):
         _check(not self.balance_batch or self.padding_free,
                "balance_batch=True deals rows out by their real tokens, which only evens the work when padding is "
                "not computed: set padding_free=True as well (or leave balance_batch at None).")
+
+    def _check_multi_turn(self) -> None:
+        """The caps and error handling of multi-turn rollouts (trl_ext/trainer/multi_turn.py)."""
+        _check(self.max_tool_calling_iterations is None or self.max_tool_calling_iterations >= 0,
+               f"max_tool_calling_iterations={self.max_tool_calling_iterations} must be >= 0 (0: tools are never "
+               "called), or None for no cap.")
+        _check(self.max_turn_length is None or self.max_turn_length >= 1,
+               f"max_turn_length={self.max_turn_length} must be >= 1, or None for what is left of response_length.")
+        _check(self.tool_timeout is None or self.tool_timeout > 0,
+               f"tool_timeout={self.tool_timeout} must be > 0 seconds, or None to wait for ever.")
+        _check(self.tool_errors in TOOL_ERRORS,
+               f"tool_errors={self.tool_errors!r} is not one of {TOOL_ERRORS}; pick one of them.")

@@ -9,7 +9,7 @@ from __future__ import annotations
 from contextlib import contextmanager
 
 import torch
-from tokenizers import Tokenizer, models, pre_tokenizers
+from tokenizers import Tokenizer, decoders, models, pre_tokenizers
 from transformers import (
     AutoModelForCausalLM,
     AutoModelForSequenceClassification,
@@ -36,6 +36,25 @@ def tiny_tokenizer(pad_is_eos: bool = False, padding_side: str = "left") -> PreT
         pad_token="<eos>" if pad_is_eos else "<pad>",
         padding_side=padding_side,
     )
+    return tokenizer
+
+
+def tiny_chat_tokenizer() -> PreTrainedTokenizerFast:
+    """A byte-level tokenizer (one token per byte, no merges) with Qwen2.5's chat template and its special tokens
+    (`<|im_start|>`, `<|im_end|>` = EOS, `<|endoftext|>` = pad, `<tool_call>`, `<tool_response>` and their ends as
+    single tokens): it renders and parses tool calls as TRL's tool-calling trainers do (trl.chat_template_utils).
+    A model for it needs max_position_embeddings of about 2048 (a prompt that lists a tool is ~700 bytes)."""
+    from trl.chat_template_utils import qwen2_5_chat_template
+
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    tok = Tokenizer(models.BPE(vocab={c: i for i, c in enumerate(sorted(alphabet))}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)
+    tok.decoder = decoders.ByteLevel()
+    tokenizer = PreTrainedTokenizerFast(tokenizer_object=tok, padding_side="left")
+    tokenizer.add_special_tokens({"eos_token": "<|im_end|>", "pad_token": "<|endoftext|>",
+                                  "additional_special_tokens": ["<|im_start|>"]})
+    tokenizer.add_tokens(["<tool_call>", "</tool_call>", "<tool_response>", "</tool_response>"])
+    tokenizer.chat_template = qwen2_5_chat_template
     return tokenizer
 
 

@@ -36,8 +36,14 @@ from .masks import (
     top_entropy_mask,
 )
 from .rewards import shape_rewards
+from .turns import compact, compaction, expand, place_turn_rewards, turn_ends
 
 __all__ = [
+    "compact",
+    "compaction",
+    "expand",
+    "place_turn_rewards",
+    "turn_ends",
     "IMPORTANCE_SAMPLING_LEVELS",
     "MULTI_OBJECTIVE_AGGREGATIONS",
     "POLICY_OBJECTIVES",

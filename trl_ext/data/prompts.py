@@ -214,11 +214,12 @@ class _Cut:
         return ids[:keep] + ids[len(ids) - (limit - keep):], True
 
 
-def _tokenize_rows(tokenizer, form: str, cut: _Cut):
+def _tokenize_rows(tokenizer, form: str, cut: _Cut, tools=None):
     """The `Dataset.map` function of the text and conversational forms: rendered, tokenized, cut."""
     def tokenize_batch(batch, indices):
         out_ids, out_text, over = [], [], []
-        for value, index in zip(batch["prompt"], indices):
+        environments = batch.get("environment") or [None] * len(indices)
+        for value, index, environment in zip(batch["prompt"], indices, environments):
             kind = _prompt_kind(value)
             if kind != form:
                 if kind == "invalid" and isinstance(value, list) and all(isinstance(m, Mapping) for m in value):
@@ -229,7 +230,8 @@ def _tokenize_rows(tokenizer, form: str, cut: _Cut):
                 text = value
                 ids = tokenizer(text)["input_ids"]  # the tokenizer's default special tokens, as TRL does
             else:
-                text = tokenizer.apply_chat_template(value, add_generation_prompt=True, tokenize=False)
+                listed = tools(environment) if callable(tools) else tools  # the tools the template lists
+                text = tokenizer.apply_chat_template(value, tools=listed, add_generation_prompt=True, tokenize=False)
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds them
                 if cut.limit is not None and len(ids) > cut.limit:
                     keep = _header_length(tokenizer, text, value)
@@ -287,6 +289,7 @@ def prepare_prompts(
     max_prompt_length: int | None = None,
     truncation: Literal["left", "drop"] = "left",
     num_proc: int | None = None,
+    tools=None,
 ) -> PreparedPrompts:
     """Tokenize a prompt dataset in any of TRL's prompt forms (see the module docstring) for PPO.
 
@@ -298,6 +301,8 @@ def prepare_prompts(
         after the head (counted in `num_truncated`; the end of a prompt, next to
         the response, is what PPO generates from), "drop" removes them (counted in `num_dropped`).
     num_proc: processes for `Dataset.map`.
+    tools: the tools conversational prompts are rendered with (the chat template lists them for the model): a list
+        of functions, or a function of the row's `environment` (None without that column) returning one.
 
     Raises ValueError for: neither a `prompt` nor an `input_ids` column, a conversational prompt with a tokenizer
     without a chat template, mixed forms, missing or empty prompts, an empty dataset (also after dropping),
@@ -314,7 +319,7 @@ def prepare_prompts(
         dataset = dataset.map(_check_token_rows(cut), batched=True, with_indices=True, num_proc=num_proc,
                               remove_columns=remove, desc="Checking prompts")
     else:
-        dataset = dataset.map(_tokenize_rows(tokenizer, form, cut), batched=True, with_indices=True,
+        dataset = dataset.map(_tokenize_rows(tokenizer, form, cut, tools), batched=True, with_indices=True,
                               num_proc=num_proc, desc="Tokenizing prompts")
     num_truncated = num_dropped = 0
     if drop:

@@ -15,7 +15,7 @@ from collections.abc import Callable
 
 import torch
 
-from ..core import estimate_kl
+from ..core import estimate_kl, last_true_index
 from ..trainer.rollout import Rollout
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # (B, k) on each process -> (B·processes, k)
@@ -84,15 +84,15 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
     lengths = mask.sum(1)  # (B,) real response tokens, the stop token included
     if stop_token_id is None:
         stopped = torch.zeros_like(lengths, dtype=torch.bool)
-    else:
-        stopped = ((r.responses == stop_token_id) & mask).any(1)
+    else:  # the last real token (of a conversation: the model's last turn) is the stop token
+        stopped = r.responses.gather(1, last_true_index(mask)[:, None])[:, 0] == stop_token_id
     truncated = (lengths == T) & ~stopped  # hit the length cap without a stop token
     kl_seq = r.kl.sum(1)  # (B,) per-sequence KL of the estimator that shapes the reward
     kl_k1 = (estimate_kl(r.logprobs, r.ref_logprobs, "k1") * mask).sum(1)
     kl_k3 = (estimate_kl(r.logprobs, r.ref_logprobs, "k3") * mask).sum(1)
     entropy_seq = (-r.logprobs * mask).sum(1)  # sampled-token estimate of the sequence entropy (TRL's)
     # each row's real tokens (prompt + response) and its width in the padded (B, Q + T) layout
-    real = (r.query_mask.sum(1) + lengths).float()
+    real = (r.query_mask.sum(1) + r.input_mask.sum(1)).float()
     width = torch.full_like(real, r.query_mask.shape[1] + T)
     rows = gather(torch.stack([r.scores.float(), kl_seq, kl_k1, kl_k3, entropy_seq, lengths.float(),
                                truncated.float(), stopped.float(), real, width], 1).float())

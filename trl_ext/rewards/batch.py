@@ -22,6 +22,7 @@ class RewardBatch:
     extra_columns: dict[str, list] = field(default_factory=dict)  # {column: B values}, for reward functions
     trainer_state: Any = None
     padding_free: bool = False  # models in TRL's layout read packed rows (`read_last_token`)
+    conversations: list | None = None  # multi-turn: each row's assistant, tool and feedback messages
     _cache: dict = field(default_factory=dict, repr=False)
 
     @property

@@ -136,7 +136,8 @@ class FunctionReward:
             if original is not None:
                 prompts = list(original)
                 if _is_conversation(prompts[0]):
-                    completions = [[{"role": "assistant", "content": c}] for c in completions]
+                    completions = ([[{"role": "assistant", "content": c}] for c in completions]
+                                   if batch.conversations is None else [list(m) for m in batch.conversations])
             offered.update(prompts=list(prompts), completions=list(completions))
         clash = sorted(set(columns) & (set(offered) | {"prompts", "completions"}))
         if clash:

@@ -253,17 +253,19 @@ class RewardScorer:
     @torch.no_grad()
     def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, responses: torch.Tensor,
                  response_mask: torch.Tensor, extra_columns: dict[str, list] | None = None,
-                 trainer_state=None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+                 trainer_state=None, conversations: list | None = None) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
         """Score a batch: (B, Q) left-padded queries and bool mask, (B, T) responses and bool mask (True up to and
         including the stop token). `extra_columns`: {column: list of B values} for reward functions;
-        `trainer_state`: passed to reward functions that take it (TRL's convention).
+        `trainer_state`: passed to reward functions that take it (TRL's convention); `conversations`: multi-turn
+        rollouts' message lists, TRL's conversational completions.
 
         Returns (combined (B,) float32, {name: (B,) float32 raw score}), on the queries' device. A function's None
         (not applicable) is NaN in its raw scores and left out of the combined score; a row that no reward scores
         is an error."""
         B = queries.shape[0]
         batch = RewardBatch(queries, query_mask.bool(), responses, response_mask.bool(), self.policy_tokenizer,
-                            self._check_columns(extra_columns, B), trainer_state, self.padding_free)
+                            self._check_columns(extra_columns, B), trainer_state, self.padding_free,
+                            conversations=conversations)
         device = queries.device
         per_source: dict[str, torch.Tensor] = {}
         pending: dict[str, Any] = {}  # async reward functions, awaited together below

@@ -88,6 +88,7 @@ from .checkpoint import (
     write_state,
 )
 from .evaluation import Evaluator, dataset_columns
+from .multi_turn import MultiTurn, RolloutFunction
 from .preemption import Preemption
 from .rollout import Rollout, RolloutPhase
 from .sampling import ResponseSampler, colocated_vllm, server_vllm
@@ -108,6 +109,12 @@ class PPOTrainer(PPOTrainerBase):
     """Drop-in replacement for `trl.experimental.ppo.PPOTrainer` (same arguments), with its reported defects fixed.
 
     `reward_model` may also be a plain function `(prompts: list[str], completions: list[str]) -> list[float]`.
+
+    Multi-turn rollouts (trl_ext/trainer/multi_turn.py, docs/multi-turn.md), with TRL GRPOTrainer's arguments:
+    `tools` (functions the model may call), `environment_factory` (a callable, or {name: callable}, building
+    environments with `reset` whose public methods are tools, and optionally `get_reward` and trl_ext's `step`) and
+    `rollout_func(prompts, trainer) -> dict` (the user's own conversations). `reward_model` may then be None when an
+    environment's `get_reward` scores the episodes.
     """
 
     _tag_names = ["trl", "ppo", "trl_ext"]
@@ -128,16 +135,20 @@ class PPOTrainer(PPOTrainerBase):
         peft_config: PeftConfig | None = None,
         eval_reward=None,
         reward_processing_classes=None,
+        tools=None,
+        rollout_func=None,
+        environment_factory=None,
     ) -> None:
         """TRL 1.12's arguments. Set up in steps, each a method below, in this order (the order random numbers are
         drawn in: seeding, the critic's new head, the LoRA matrices, the reference copy)."""
-        self._check_arguments(args, processing_class, model, ref_model, reward_model, train_dataset)
+        self._check_arguments(args, processing_class, model, ref_model, train_dataset)
         self.args, self.processing_class = args, processing_class
         # python, numpy and torch seeded: on CPU two runs with the same seed give the same weights; on CUDA also with
         # full_determinism=True (deterministic kernels, cuBLAS workspace: TrainingArguments' switch), else close only
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         model = self._setup_shared_base(model, ref_model, value_model, peft_config)
         self._setup_stop_token()
+        self._setup_multi_turn(tools, environment_factory, rollout_func, eval_dataset)
         own_collator = data_collator is None  # trl_ext's collator: the prompts' lengths and columns are known
         train_dataset, eval_dataset, data_collator = self._setup_prompts(train_dataset, eval_dataset, data_collator)
         self._setup_rewards(reward_model, reward_processing_classes, eval_reward, eval_dataset)
@@ -174,7 +185,7 @@ class PPOTrainer(PPOTrainerBase):
 
     # ------------------------------------------------------------------------------------------------ setup steps
     @staticmethod
-    def _check_arguments(args, tokenizer, model, ref_model, reward_model, train_dataset) -> None:
+    def _check_arguments(args, tokenizer, model, ref_model, train_dataset) -> None:
         if not isinstance(args, PPOConfig):
             raise TypeError(f"`args` must be a trl_ext.PPOConfig, got {type(args).__name__}: import PPOConfig from "
                             "trl_ext alongside PPOTrainer.")
@@ -183,9 +194,6 @@ class PPOTrainer(PPOTrainerBase):
         if ref_model is model:
             raise ValueError("`model` and `ref_model` cannot be the same object: pass a copy, or `None` (a frozen "
                              "copy is made, or with peft the adapter is disabled).")
-        if reward_model is None:
-            raise ValueError("`reward_model` is required: a sequence-classification model, a function "
-                             "(prompts: list[str], completions: list[str], **columns) -> list[float], or a list.")
         if tokenizer.pad_token_id is None:
             raise ValueError("The tokenizer has no pad token: set `tokenizer.pad_token` (e.g. to its EOS token).")
 
@@ -215,6 +223,41 @@ class PPOTrainer(PPOTrainerBase):
                              "policy loss, but there is no stop token (stop_token='none'): every completion would be "
                              "left out. Set a stop token or drop the setting.")
 
+    def _setup_multi_turn(self, tools, environment_factory, rollout_func, eval_dataset) -> None:
+        """Conversations with tools and environments, or the user's rollout_func (trl_ext/trainer/multi_turn.py)."""
+        args, tokenizer = self.args, self.processing_class
+        self.multi_turn = None
+        if rollout_func is not None:
+            if tools or environment_factory is not None:
+                raise ValueError("rollout_func makes the conversations itself: pass it alone, without tools or "
+                                 "environment_factory (call them from inside rollout_func).")
+            self.multi_turn = RolloutFunction(rollout_func, self, args, tokenizer.pad_token_id)
+        elif tools or environment_factory is not None:
+            self.multi_turn = MultiTurn(tokenizer, args, tools, environment_factory, tokenizer.pad_token_id,
+                                        self.stop_token_id)
+        if self.multi_turn is None:
+            return
+        if self.stop_token_id is None:
+            raise ValueError("multi-turn rollouts end each model turn at the stop token, but there is none "
+                             "(stop_token='none'): set a stop token (the chat template's end of turn).")
+        if args.async_rollouts:
+            raise ValueError("async_rollouts=True draws single-turn responses in its own thread; multi-turn "
+                             "rollouts (tools, environment_factory, rollout_func) are drawn in step: set "
+                             "async_rollouts=False.")
+        if eval_dataset is not None:
+            raise ValueError("evaluation (eval_dataset) samples single-turn answers, which would not be the episodes "
+                             "trained on: drop eval_dataset with tools, environment_factory or rollout_func, and "
+                             "evaluate episodes yourself with trainer.run_episodes (docs/multi-turn.md).")
+
+    def generate_turns(self, contexts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
+        """Inside rollout_func: one model turn for each context (token ids), at most max_new_tokens each, sampled
+        as the trainer samples (HF generate or vLLM, seeded by process and step): [(ids up to and including the stop
+        token, the sampler's log-probs)]."""
+        generate = getattr(self.multi_turn, "generate", None)
+        if generate is None:
+            raise RuntimeError("generate_turns samples inside rollout_func, while the trainer makes a rollout.")
+        return generate(contexts, max_new_tokens)
+
     def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
         """A `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever the
         tokenizer's padding side. A custom data_collator gets the dataset as given (and must left-pad)."""
@@ -223,7 +266,9 @@ class PPOTrainer(PPOTrainerBase):
         self.column_names: tuple[str, ...] = ()  # dataset columns that travel with each prompt to the rewards
         if data_collator is not None:
             return train_dataset, eval_dataset, data_collator
-        prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation)
+        tools = self.multi_turn.prompt_tools if isinstance(self.multi_turn, MultiTurn) else None
+        prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation,
+                                   tools=tools)
         self.prompt_counts = {"data/prompts_truncated": prepared.num_truncated,
                               "data/prompts_dropped": prepared.num_dropped}
         if prepared.num_truncated or prepared.num_dropped:
@@ -241,6 +286,17 @@ class PPOTrainer(PPOTrainerBase):
         args, tokenizer = self.args, self.processing_class
         self.reward_model = reward_model
         weights = args.reward_weights
+        environment_rewards = self.multi_turn.reward_functions() if self.multi_turn is not None else []
+        if reward_model is None and not environment_rewards:
+            raise ValueError("`reward_model` is required: a sequence-classification model, a function "
+                             "(prompts: list[str], completions: list[str], **columns) -> list[float], or a list "
+                             "(or None with an environment_factory whose environments define get_reward).")
+        if environment_rewards:  # TRL's: each environment class with get_reward is one more source, weight 1
+            sources = [] if reward_model is None else RewardScorer._as_list(reward_model)
+            if isinstance(reward_processing_classes, (list, tuple)):
+                reward_processing_classes = [*reward_processing_classes, *[None] * len(environment_rewards)]
+            weights = None if weights is None else [*weights, *[1.0] * len(environment_rewards)]
+            reward_model = [*sources, *environment_rewards]
         if args.overlong_buffer_len is not None:  # DAPO's soft overlong punishment: one more source, TRL's function
             from trl.rewards import get_soft_overlong_punishment
 
@@ -556,7 +612,8 @@ class PPOTrainer(PPOTrainerBase):
                                        self.local_seed, self.vllm)
         self.rollout_phase = RolloutPhase(args, self.backend, self.sampler, self.reference, self.reward_scorer,
                                           self.reward_normalizer, self.stop_token_id, self.phases,
-                                          self.trunk_from_reference, more_prompts=self._more_prompts)
+                                          self.trunk_from_reference, more_prompts=self._more_prompts,
+                                          multi_turn=self.multi_turn)
         self.update_phase = PPOUpdate(args, self.backend)
         self.evaluator = Evaluator(args, self.backend, self.sampler, self.reference, self.reward_scorer,
                                    self.eval_scorer, self.processing_class, self.eval_dataloader)

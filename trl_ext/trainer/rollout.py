@@ -20,12 +20,17 @@ from dataclasses import dataclass, fields
 import torch
 
 from ..core import (
+    compact,
+    compaction,
     compute_gae,
     constant_groups,
     entropy_from_logits,
+    expand,
     group_advantages,
+    last_true_index,
     length_adaptive_lam,
     masked_whiten,
+    place_turn_rewards,
     sampler_correction_weights,
     shape_rewards,
     token_logprobs,
@@ -59,6 +64,16 @@ class Rollout:
     # response mask's: mask_truncated_completions leaves the completions cut at response_length out
     entropy_mask: torch.Tensor | None = None  # (B, T) bool, top_entropy_quantile: the tokens whose entropy under
     # π_old is in the rollout's top quantile; the policy loss weighs the others 0 (its denominator unchanged)
+    context_mask: torch.Tensor | None = None  # (B, T) bool, multi-turn rollouts: every real token of the
+    # conversation, the model's and the tools' and environment's (what the models read); response_mask is then the
+    # model's tokens only, all that is trained on (trl_ext/trainer/multi_turn.py)
+    turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: the environment's per-turn rewards, each on the last
+    # token of its turn (already in `rewards`)
+
+    @property
+    def input_mask(self) -> torch.Tensor:
+        """(B, T) bool: the response positions the models read (the conversation's, or the response mask)."""
+        return self.response_mask if self.context_mask is None else self.context_mask
 
     def __len__(self) -> int:
         return self.queries.shape[0]
@@ -94,14 +109,28 @@ class _Batch:
     sampler_logprobs: torch.Tensor
     scores: torch.Tensor | None = None  # (B,) the combined score
     source_scores: torch.Tensor | None = None  # (B, S) each source's
+    # multi-turn rollouts: response_mask is every real token of the conversation, model_mask the model's
+    model_mask: torch.Tensor | None = None  # (B, T) bool
+    turn_rewards: torch.Tensor | None = None  # (B, T) the environment's per-turn rewards, on their turns' last tokens
+    messages: list | None = None  # TRL's conversational completions: one message list per row
+    environments: list | None = None  # the rows' environments (reward functions get them)
+
+    @property
+    def train_mask(self) -> torch.Tensor:
+        """The tokens PPO trains on: the model's."""
+        return self.response_mask if self.model_mask is None else self.response_mask & self.model_mask
 
     def select(self, rows: list[int]) -> _Batch:
         pick = torch.tensor(rows, dtype=torch.long, device=self.queries.device)
         columns = {k: v[pick.to(v.device)] if isinstance(v, torch.Tensor) else [v[i] for i in rows]
                    for k, v in self.extra_columns.items()}  # (lists, or tensors from a collator of the user's)
+        def picked(x):
+            return None if x is None else x[pick] if isinstance(x, torch.Tensor) else [x[i] for i in rows]
+
         return _Batch(self.queries[pick], self.query_mask[pick], columns,
                       self.responses[pick], self.response_mask[pick], self.sampler_logprobs[pick],
-                      self.scores[pick], self.source_scores[pick])
+                      self.scores[pick], self.source_scores[pick], picked(self.model_mask),
+                      picked(self.turn_rewards), picked(self.messages), picked(self.environments))
 
     @staticmethod
     def cat(parts: list[_Batch], pad_token_id: int) -> _Batch:
@@ -119,7 +148,12 @@ class _Batch:
                       padded([p.responses for p in parts], pad_token_id, False),
                       padded([p.response_mask for p in parts], False, False),
                       padded([p.sampler_logprobs for p in parts], 0.0, False),
-                      torch.cat([p.scores for p in parts]), torch.cat([p.source_scores for p in parts]))
+                      torch.cat([p.scores for p in parts]), torch.cat([p.source_scores for p in parts]),
+                      *((padded([p.model_mask for p in parts], False, False),
+                         padded([p.turn_rewards for p in parts], 0.0, False),
+                         [m for p in parts for m in p.messages],
+                         None if parts[0].environments is None else [e for p in parts for e in p.environments])
+                        if parts[0].model_mask is not None else ()))
 
 
 @dataclass
@@ -140,12 +174,13 @@ class RolloutPhase:
     from the policy's checkpoint), captured on the reference pass so the trunk never runs; None: the trunk runs."""
 
     def __init__(self, args, backend, sampler, reference, reward_scorer, reward_normalizer, stop_token_id,
-                 phases, trunk_from_reference=None, more_prompts=None):
+                 phases, trunk_from_reference=None, more_prompts=None, multi_turn=None):
         self.args, self.backend, self.sampler, self.reference = args, backend, sampler, reference
         self.reward_scorer, self.reward_normalizer = reward_scorer, reward_normalizer
         self.stop_token_id, self.phases, self.trunk_from_reference = stop_token_id, phases, trunk_from_reference
         self.more_prompts = more_prompts  # dynamic_sampling: (step, draw) -> (queries, query_mask, extra_columns)
-        self.draw_metrics: dict[str, float] = {}  # the last rollout's group and dynamic-sampling metrics
+        self.multi_turn = multi_turn  # a MultiTurn: conversations with tools and environments (multi_turn.py)
+        self.draw_metrics: dict[str, float] = {}  # the last rollout's group, dynamic-sampling and multi-turn metrics
 
     @torch.no_grad()
     def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None, kl_coef: float,
@@ -158,21 +193,36 @@ class RolloutPhase:
         query_mask = query_mask.bool()
         check_left_padded(query_mask)
         extra_columns = extra_columns or {}
-        self.draw_metrics = {}
+        self.draw_metrics, self._turn_sums = {}, {}
         with self.backend.whole_weights():
             if drawn is not None:
-                responses, response_mask, sampler_logprobs = drawn
+                batch = _Batch(queries, query_mask, extra_columns, *drawn)
             else:
-                with self.phases("generation"):  # 1-2
-                    responses, response_mask, sampler_logprobs = self.sampler.rollout_responses(queries, query_mask,
-                                                                                                step)
-            batch = _Batch(queries, query_mask, extra_columns, responses, response_mask, sampler_logprobs)
+                batch = self._draw(queries, query_mask, extra_columns, step)  # 1-2
             batch.scores, batch.source_scores = self._rewards(batch, trainer_state)  # 5
             if self.args.dynamic_sampling:
                 batch = self._fill(batch, step, trainer_state)
+            if self._turn_sums:
+                self.draw_metrics.update(self._turn_metrics())
             scored = self._score(batch)  # 3-4
-        scores = self._condition(batch.scores, batch.responses, batch.response_mask)  # 5
+        scores = self._condition(batch.scores, batch.responses, batch.train_mask)  # 5
         return self._advantages(batch, scored, scores, kl_coef)  # 6-7
+
+    def _draw(self, queries, query_mask, extra_columns, step: int, draw: int = 0) -> _Batch:
+        """Steps 1-2: the policy's responses to the prompts, drawn by (process, step, draw); with tools or
+        environments, conversations (`multi_turn`)."""
+        with self.phases("generation"):
+            if self.multi_turn is None:
+                drawn = self.sampler.rollout_responses(queries, query_mask, step, draw)
+                return _Batch(queries, query_mask.bool(), extra_columns, *drawn)
+            talk = self.multi_turn.run(queries, query_mask.bool(), extra_columns,
+                                       self.sampler.turn_generator(step, draw))
+        for key, value in talk.metrics.items():
+            self._turn_sums[key] = self._turn_sums.get(key, 0.0) + value
+        return _Batch(talk.queries, talk.query_mask, extra_columns, talk.responses, talk.context_mask,
+                      talk.sampler_logprobs, model_mask=talk.model_mask,
+                      turn_rewards=place_turn_rewards(talk.turn_rewards, talk.model_mask),
+                      messages=talk.messages, environments=talk.environments)
 
     @contextmanager
     def _reference_trunk(self):
@@ -201,8 +251,12 @@ class RolloutPhase:
         with self.phases("reward"), self.backend.accelerator.autocast():
             for s in self._chunks(batch.query_mask, batch.response_mask):
                 extra = {k: v[s] for k, v in batch.extra_columns.items()}
+                if batch.environments is not None:  # TRL's: reward functions may read the episodes' environments
+                    extra["environments"] = batch.environments[s]
                 combined, sources = self.reward_scorer(batch.queries[s], batch.query_mask[s], batch.responses[s],
-                                                       batch.response_mask[s], extra, trainer_state=trainer_state)
+                                                       batch.response_mask[s], extra, trainer_state=trainer_state,
+                                                       conversations=None if batch.messages is None
+                                                       else batch.messages[s])
                 scores.append(combined)
                 per_source.append(torch.stack(list(sources.values()), 1))
         device = batch.queries.device
@@ -218,9 +272,7 @@ class RolloutPhase:
         for draw in range(self.args.max_num_gen_batches):
             if draw:
                 queries, query_mask, extra = self.more_prompts(step, draw)
-                with self.phases("generation"):
-                    drawn = self.sampler.rollout_responses(queries, query_mask, step, draw)
-                part = _Batch(queries, query_mask.bool(), extra, *drawn)
+                part = self._draw(queries, query_mask, extra, step, draw)
                 part.scores, part.source_scores = self._rewards(part, trainer_state)
                 parts.append(part)
             offset = B * draw
@@ -287,75 +339,111 @@ class RolloutPhase:
                 parts["values"].append((value[:, -T - 1 : -1] if packing is None
                                         else packing.values(value)).float())
         logprobs = torch.cat(parts["logprobs"])
-        return _Scored(logprobs=logprobs, ref_logprobs=torch.cat(parts["ref_logprobs"]),
-                       values=torch.cat(parts["values"]) * response_mask,
+        ref_logprobs = torch.cat(parts["ref_logprobs"])
+        if batch.model_mask is not None:  # the tools' tokens are not the policy's: nothing of them is kept
+            logprobs, ref_logprobs = logprobs * batch.model_mask, ref_logprobs * batch.model_mask
+        return _Scored(logprobs=logprobs, ref_logprobs=ref_logprobs,
+                       values=torch.cat(parts["values"]) * batch.train_mask,
                        trunk_hidden=torch.cat(parts["trunk"]) if trunk is not None else None,
                        entropy=torch.cat(parts["entropy"]) if entropy else None)
 
-    def _condition(self, scores, responses, response_mask) -> torch.Tensor:
+    def _condition(self, scores, responses, train_mask) -> torch.Tensor:
         """Score conditioning: normalise (running statistics over all processes) and clip, then the stop penalty."""
         args = self.args
         if args.reward_norm == "running":
             self.reward_normalizer.update(self.backend.gather(scores))
         scores = self.reward_normalizer.normalize(scores)
         if args.missing_eos_penalty is not None:
-            stopped = ((responses == self.stop_token_id) & response_mask).any(dim=1)
-            scores = scores - args.missing_eos_penalty * (~stopped).float()
+            scores = scores - args.missing_eos_penalty * (~self._stopped(responses, train_mask)).float()
         return scores
 
+    def _stopped(self, responses, train_mask) -> torch.Tensor:
+        """(B,) bool: the response (the conversation's last model turn) ends with the stop token."""
+        last = responses.gather(1, last_true_index(train_mask)[:, None])[:, 0]
+        return last == self.stop_token_id
+
+    def _turn_metrics(self) -> dict[str, float]:
+        """Multi-turn rollouts, over every process: model turns per episode, tool calls per episode and the
+        fraction that failed (TRL's tools/ keys), episodes ended by a length cap, the tools' and environment's
+        tokens per episode and the environment's per-turn rewards per episode."""
+        keys = ("turns", "tool_calls", "tool_failures", "truncated", "env_tokens", "turn_reward", "episodes")
+        totals = self.backend.sum_over_processes(torch.tensor([float(self._turn_sums[k]) for k in keys],
+                                                              device=self.backend.device)).tolist()
+        t = dict(zip(keys, totals))
+        return {"multi_turn/turns_mean": t["turns"] / t["episodes"],
+                "tools/call_frequency": t["tool_calls"] / t["episodes"],
+                "tools/failure_frequency": t["tool_failures"] / max(t["tool_calls"], 1.0),
+                "multi_turn/truncated_frac": t["truncated"] / t["episodes"],
+                "multi_turn/env_tokens_mean": t["env_tokens"] / t["episodes"],
+                "multi_turn/turn_reward_mean": t["turn_reward"] / t["episodes"]}
+
     def _advantages(self, batch: _Batch, scored: _Scored, scores, kl_coef) -> Rollout:
-        """Steps 6-7, the group advantage mixed in, and the sampler correction's weights."""
-        args, logprobs, response_mask = self.args, scored.logprobs, batch.response_mask
+        """Steps 6-7, the group advantage mixed in, and the sampler correction's weights. In a multi-turn rollout the
+        recursions run over the model's tokens only (core.turns: compacted to the front of each row and put back),
+        so the score lands on the conversation's last model token, each environment reward on its turn's last
+        token, and the GAE's discount skips the tools' tokens."""
+        args, logprobs, mask = self.args, scored.logprobs, batch.train_mask
+        if batch.model_mask is None:
+            along, back, cmask = (lambda x: x), (lambda x: x), mask
+        else:
+            index, cmask = compaction(mask)
+            along, back = (lambda x: compact(x, index)), (lambda x: expand(x, index, cmask))
         # 6. rewards: −β·KL on every real token, the score on the last real token (see core.shape_rewards)
-        rewards, kl = shape_rewards(scores, logprobs, scored.ref_logprobs, response_mask, kl_coef, args.kl_estimator)
+        rewards, kl = shape_rewards(scores, along(logprobs), along(scored.ref_logprobs), cmask, kl_coef,
+                                    args.kl_estimator)
+        if batch.turn_rewards is not None:  # the environment's per-turn rewards, as given
+            rewards = rewards + along(batch.turn_rewards.to(rewards))
         # whitening statistics over the real tokens of all processes: N processes act as one with the whole batch
         over_processes = self.backend.sum_over_processes if self.backend.num_processes > 1 else None
         if args.whiten_rewards:
-            rewards = masked_whiten(rewards, response_mask, shift_mean=False,
-                                    all_reduce_sum=over_processes) * response_mask
+            rewards = masked_whiten(rewards, cmask, shift_mean=False, all_reduce_sum=over_processes) * cmask
         # 7. advantages and returns (GAE); the policy's λ and the value targets' λ may differ (lam_policy,
         # lam_value, length_adaptive_alpha: docs/ppo-variants.md)
         lam_policy = args.lam if args.lam_policy is None else args.lam_policy
         if args.length_adaptive_alpha is not None:
-            lam_policy = length_adaptive_lam(response_mask, args.length_adaptive_alpha)
+            lam_policy = length_adaptive_lam(cmask, args.length_adaptive_alpha)
         lam_value = args.lam if args.lam_value is None else args.lam_value
-        advantages, returns = compute_gae(rewards, scored.values, response_mask, args.gamma, lam_policy)
+        values = along(scored.values)
+        advantages, returns = compute_gae(rewards, values, cmask, args.gamma, lam_policy)
         if isinstance(lam_policy, torch.Tensor) or lam_value != lam_policy:
-            returns = compute_gae(rewards, scored.values, response_mask, args.gamma, lam_value)[1]
-        advantages = masked_whiten(advantages, response_mask, all_reduce_sum=over_processes) * response_mask
+            returns = compute_gae(rewards, values, cmask, args.gamma, lam_value)[1]
+        advantages = masked_whiten(advantages, cmask, all_reduce_sum=over_processes) * cmask
         if args.group_advantage_weight:  # the group baseline mixed in: GRPO's advantage on every token
             w = args.group_advantage_weight
             group = group_advantages(scores, args.num_generations, args.scale_rewards,
                                      args.multi_objective_aggregation, batch.source_scores,
                                      torch.tensor(self.reward_scorer.weights), self.backend.gather)
-            advantages = ((1 - w) * advantages + w * group[:, None].to(advantages)) * response_mask
+            advantages = ((1 - w) * advantages + w * group[:, None].to(advantages)) * cmask
+        rewards, kl, advantages, returns = back(rewards), back(kl), back(advantages), back(returns)
         entropy_mask = None
         if scored.entropy is not None:  # the threshold over every process's real tokens
             padded = self.backend.accelerator.pad_across_processes(
-                torch.where(response_mask, scored.entropy, -1.0), dim=1, pad_index=-1.0)
+                torch.where(mask, scored.entropy, -1.0), dim=1, pad_index=-1.0)
             population = self.backend.gather(padded)
-            entropy_mask = top_entropy_mask(scored.entropy, response_mask, args.top_entropy_quantile,
+            entropy_mask = top_entropy_mask(scored.entropy, mask, args.top_entropy_quantile,
                                             population[population >= 0])
         policy_mask = None
         if args.mask_truncated_completions:  # only completions that stopped train the policy (TRL's GRPO)
-            stopped = ((batch.responses == self.stop_token_id) & response_mask).any(dim=1)
-            policy_mask = response_mask & stopped[:, None]
+            policy_mask = mask & self._stopped(batch.responses, mask)[:, None]
         if args.num_generations > 1:
             zero_std = constant_groups(batch.scores, args.num_generations).float()
             self.draw_metrics["rollout/frac_reward_zero_std"] = self.backend.gather(zero_std).mean().item()
         # the sampler against the trainer: here over every token, or (π_old the sampler's) in the update, where the
         # first minibatch's forward is the trainer's at the rollout's weights (UpdateStats.sampler_rows)
         sampler_logprobs = (None if args.rollout_logprobs == "sampler"
-                            else batch.sampler_logprobs.to(logprobs.device) * response_mask)
+                            else batch.sampler_logprobs.to(logprobs.device) * mask)
         sampler_weights = None
         if args.vllm_importance_sampling_correction:  # π_old / π_sampler, truncated or masked (core.losses)
             sampler_weights = sampler_correction_weights(
-                logprobs, sampler_logprobs, response_mask, args.vllm_importance_sampling_mode,
+                logprobs, sampler_logprobs, mask, args.vllm_importance_sampling_mode,
                 args.vllm_importance_sampling_clip_min, args.vllm_importance_sampling_clip_max)
+        multi_turn = batch.model_mask is not None
         return Rollout(queries=batch.queries, query_mask=batch.query_mask, responses=batch.responses,
-                       response_mask=response_mask, logprobs=logprobs, ref_logprobs=scored.ref_logprobs,
+                       response_mask=mask, logprobs=logprobs, ref_logprobs=scored.ref_logprobs,
                        values=scored.values, scores=scores, kl=kl, rewards=rewards, advantages=advantages,
                        returns=returns, source_scores=batch.source_scores, sampler_logprobs=sampler_logprobs,
                        sampler_weights=sampler_weights,
                        advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None,
-                       trunk_hidden=scored.trunk_hidden, policy_mask=policy_mask, entropy_mask=entropy_mask)
+                       trunk_hidden=scored.trunk_hidden, policy_mask=policy_mask, entropy_mask=entropy_mask,
+                       context_mask=batch.response_mask if multi_turn else None,
+                       turn_rewards=batch.turn_rewards if multi_turn else None)

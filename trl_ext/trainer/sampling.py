@@ -13,14 +13,16 @@ Either way the response mask comes from the stop position, and the pad id fills 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 from contextlib import contextmanager, nullcontext
 
 import torch
 
-from ..core import response_mask_from_stop
+from ..core import real_rows, response_mask_from_stop
 from ..models import Sampling, generate_responses
 from .backend import Backend, Reference
+from .multi_turn import left_pad
 from .seeds import request_seeds, rollout_seed, vllm_stream_seed
 
 
@@ -76,6 +78,43 @@ class ResponseSampler:
             return self._vllm_generate(queries, query_mask, step, rollout_seed(self.local_seed, step, draw))
         with self.backend.generation_model(self.gather_zero3) as unwrapped:
             return self.generate(unwrapped.policy, queries, query_mask, self.rollout_generator(step, draw))
+
+    def turn_generator(self, step: int, draw: int = 0):
+        """Multi-turn rollouts (trl_ext/trainer/multi_turn.py) of iteration `step`: a function (contexts, n) -> one
+        model turn of at most n tokens for each context (a token-id list): (ids up to and including the stop token,
+        the sampler's log-probs). Seeded like `rollout_responses`: HF generate draws every turn from one generator
+        of (process, step, draw); vLLM seeds request i of turn k with the draw's seed + k·1_000_003 + i."""
+        seed = rollout_seed(self.local_seed, step, draw)
+        generator = None if self.vllm is not None else self.rollout_generator(step, draw)
+        turn = [0]
+
+        def generate(contexts: list[list[int]], max_new_tokens: int):
+            queries, query_mask = left_pad(contexts, self.pad_token_id, torch.long)
+            queries, query_mask = queries.to(self.backend.device), query_mask.to(self.backend.device)
+            with self.turn_length(max_new_tokens):
+                if self.vllm is not None:
+                    ids, mask, logprobs = self._vllm_generate(queries, query_mask, step, seed + 1_000_003 * turn[0])
+                else:
+                    with self.backend.generation_model(self.gather_zero3) as unwrapped:
+                        ids, mask, logprobs = self.generate(unwrapped.policy, queries, query_mask, generator)
+            turn[0] += 1
+            return [(row, lp[: len(row)]) for row, lp in zip(real_rows(ids, mask), logprobs.cpu().tolist())]
+
+        return generate
+
+    @contextmanager
+    def turn_length(self, n: int):
+        """Inside, every draw is of at most n tokens (the samplers read `sampling.response_length`)."""
+        kept = self.sampling
+        self.sampling = dataclasses.replace(kept, response_length=n)
+        if self.vllm is not None:
+            self.vllm.sampling = self.sampling
+        try:
+            yield
+        finally:
+            self.sampling = kept
+            if self.vllm is not None:
+                self.vllm.sampling = kept
 
     def stream_responses(self, queries: torch.Tensor, query_mask: torch.Tensor, seed: int, reference: bool,
                          step: int):

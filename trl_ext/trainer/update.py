@@ -54,7 +54,7 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
     T = micro.responses.shape[1]
     if packing is None:
         response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
-        tokens = model_input_ids(micro.responses, micro.response_mask)  # pad ids (maybe not in the vocabulary) -> 0
+        tokens = model_input_ids(micro.responses, micro.input_mask)  # pad ids (maybe not in the vocabulary) -> 0
     else:
         response_logits, tokens = logits, packing.targets[None]  # (1, R, V), (1, R)
     mask = micro.response_mask if micro.policy_mask is None else micro.policy_mask  # the policy loss's tokens
@@ -198,12 +198,12 @@ class PPOUpdate:
                     minibatch = self._balanced_share(rows_of, orders[:, mini_start : mini_start + mini_size])
                 nonfinite_losses = torch.zeros((), device=rollout.queries.device)  # this minibatch's, on device
                 micro_batches = self._micro_batches(rows_of, minibatch)
-                stats.step_tokens.append(rows_of.query_mask[minibatch].sum() + rows_of.response_mask[minibatch].sum())
+                stats.step_tokens.append(rows_of.query_mask[minibatch].sum() + rows_of.input_mask[minibatch].sum())
                 for i, rows in enumerate(micro_batches):
                     micro = rows_of[rows]
                     with self._accumulate(last=i == len(micro_batches) - 1):
-                        inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.response_mask)
-                        packing = Packing.of(inputs, micro.response_mask) if args.padding_free else None
+                        inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.input_mask)
+                        packing = Packing.of(inputs, micro.input_mask) if args.padding_free else None
                         pg_stats, vf_stats, entropy = self.micro_batch_losses(
                             inputs, micro, critic_only, denominators[k], loss_scale, vf_coef, packing)
                         nonfinite_losses += ~torch.isfinite(pg_stats["loss"] + vf_stats["loss"])
@@ -220,7 +220,7 @@ class PPOUpdate:
         """This process's rows of a minibatch (`minibatch`: (processes, n) rows of every process, indices into the
         gathered rollout): as many rows as before, dealt out so each process gets about as many real tokens."""
         rows = minibatch.flatten()
-        lengths = (rows_of.query_mask[rows].sum(1) + rows_of.response_mask[rows].sum(1)).tolist()
+        lengths = (rows_of.query_mask[rows].sum(1) + rows_of.input_mask[rows].sum(1)).tolist()
         share = balanced_partition(lengths, self.backend.num_processes)[self.backend.accelerator.process_index]
         return rows[share]
 
@@ -231,7 +231,7 @@ class PPOUpdate:
         if args.max_tokens_per_micro_batch is None:
             size = args.per_device_train_batch_size
             return [minibatch[start : start + size] for start in range(0, len(minibatch), size)]
-        lengths = (rollout.query_mask[minibatch].sum(1) + rollout.response_mask[minibatch].sum(1)).tolist()
+        lengths = (rollout.query_mask[minibatch].sum(1) + rollout.input_mask[minibatch].sum(1)).tolist()
         return [minibatch[group] for group in self.backend.token_groups(lengths, args.max_tokens_per_micro_batch)]
 
     def _accumulate(self, last: bool):
