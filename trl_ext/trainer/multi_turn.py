@@ -163,7 +163,7 @@ class MultiTurn:
         episode's reward from the environment's state, None for rows of other environments."""
         functions = []
         for cls in self.reward_classes:
-            def get_reward(environments, _cls=cls, **kwargs):
+            def get_reward(*, environments, _cls=cls, **kwargs):  # keywords only: TRL's convention
                 return [e.get_reward() if type(e) is _cls else None for e in environments]
             get_reward.__name__ = cls.__name__
             functions.append(get_reward)
@@ -252,7 +252,10 @@ class MultiTurn:
         from trl.chat_template_utils import parse_response
 
         n = _last_turn_length(c.model)
-        message = parse_response(self.tokenizer, c.ids[-n:], prefix=c.prompt_ids + c.ids[:-n])
+        if self.uses_tools:  # the tool calls parsed out (TRL's parse_response: plain text if malformed)
+            message = parse_response(self.tokenizer, c.ids[-n:], prefix=c.prompt_ids + c.ids[:-n])
+        else:
+            message = {"role": "assistant", "content": self.tokenizer.decode(c.ids[-n:], skip_special_tokens=True)}
         c.messages.append(message)
         calls = message.get("tool_calls") or []
         step = getattr(c.environment, "step", None) if c.environment is not None else None

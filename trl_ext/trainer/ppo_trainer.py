@@ -152,8 +152,10 @@ class PPOTrainer(PPOTrainerBase):
         own_collator = data_collator is None  # trl_ext's collator: the prompts' lengths and columns are known
         train_dataset, eval_dataset, data_collator = self._setup_prompts(train_dataset, eval_dataset, data_collator)
         self._setup_rewards(reward_model, reward_processing_classes, eval_reward, eval_dataset)
-        if own_collator:
-            self.reward_scorer.check_columns(self.column_names)
+        if own_collator and not isinstance(self.multi_turn, RolloutFunction):  # (its fields are columns too)
+            # multi-turn: reward functions also get the episodes' environments (TRL's)
+            environments = ("environments",) if getattr(self.multi_turn, "factories", None) else ()
+            self.reward_scorer.check_columns(self.column_names + environments)
         self.value_model = self._setup_value_model(value_model, model, peft_config)  # before PEFT touches the policy
         self._setup_policy(model, ref_model, peft_config)
         longest_prompt = self._check_positions(train_dataset, eval_dataset, own_collator)
