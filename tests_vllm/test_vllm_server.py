@@ -362,3 +362,26 @@ def test_async_rollouts_draw_with_the_version_before_and_max_staleness_0_is_sync
             drawn_by = trainer_logprobs(policy, r.queries, r.query_mask, r.responses, one.args.temperature)
             assert (drawn_by - r.sampler_logprobs).abs().max() < 1e-4  # the server sampled with version j - 1
             assert (r.logprobs - r.sampler_logprobs).abs().max() > 1e-2  # π_old (version j) is another policy
+
+
+def test_multi_turn_rollouts_sampled_by_the_server(server, tmp_path):
+    """rollout_func's turns drawn by the server (trainer.generate_turns): a second turn reads the first and the
+    environment's tokens; the server's log-probs of the model's tokens are the trainer's."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).resolve().parent))
+    from test_vllm_multi_turn import two_turns
+
+    tok = tiny_tokenizer()
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=8, total_episodes=16, num_ppo_epochs=1,
+                     response_length=8, logging_steps=1, report_to=[], save_strategy="no", num_sample_generations=0,
+                     bf16=False, disable_tqdm=True, seed=0, use_vllm=True, vllm_mode="server",
+                     vllm_server_base_url=server.url, stop_token="none")
+    t = PPOTrainer(args=args, processing_class=tok, model=tiny_causal_lm(tok, seed=0, **SIZE), ref_model=None,
+                   reward_model=reward, train_dataset=tiny_prompt_dataset(tok, 16),
+                   value_model=tiny_scalar_model(tok, **SIZE), peft_config=LoraConfig(**LORA), rollout_func=two_turns)
+    t.train()
+    logs = [h for h in t.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2 and all(log["multi_turn/turns_mean"] == 2.0 for log in logs)
+    assert max(log["rollout/sampler_logprob_diff_max"] for log in logs) < 1e-4

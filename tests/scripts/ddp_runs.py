@@ -38,6 +38,9 @@ and how it held the parameters.
   `killed_resumed` (the next launch): `resume_from_checkpoint=True` in its folder.
 - `dynamic`: groups of 2 completions, dynamic sampling with at most 3 draws, a reward constant on half the prompts:
   the processes need different numbers of draws and must make as many (their forwards meet under ZeRO-3).
+- `multi_turn`: an environment that answers "yes" after a model turn and ends the episode after the second, turns of at
+  most 3 tokens (most cut there: those conversations end): the processes talk for different numbers of turns and must
+  generate as many.
 - `async_synchronous`: `straight` with async_rollouts at max_staleness=0 (must be `straight`); `async_stale`: at
   max_staleness=1; `async_interrupted` / `async_resumed`: `async_stale` stopped after 2 iterations with a checkpoint
   each, and resumed from checkpoint-2 (must be `async_stale`); `async_refused`: the error under ZeRO-3 / FSDP2.
@@ -237,6 +240,9 @@ def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: flo
                   logging_steps=1, seed=5, gradient_checkpointing=False)
     eval_dataset = overrides.pop("eval_dataset", None)
     reward = overrides.pop("reward", None)
+    environment_factory = overrides.pop("environment_factory", None)
+    if environment_factory is not None:  # the feedback rendered as its words and EOS after the turn's
+        tok.chat_template = "{% for m in messages %}{{ m['content'] }} <eos> {% endfor %}"
     kwargs.update(overrides)
     policy, reward_model, value_model = whole_models(tok, eos_bias, frozen_critic)
     reward_model = reward or reward_model
@@ -253,7 +259,19 @@ def build(out_dir: str, per_device: int, steps: int, callbacks=(), eos_bias: flo
     peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0) if lora else None
     return PPOTrainer(args=args, processing_class=tok, eval_dataset=eval_dataset, model=policy, ref_model=None,
                       reward_model=reward_model, train_dataset=tiny_prompt_dataset(tok, n=3 * GLOBAL_BATCH, seed=1),
-                      value_model=value_model, callbacks=list(callbacks), peft_config=peft_config)
+                      value_model=value_model, callbacks=list(callbacks), peft_config=peft_config,
+                      environment_factory=environment_factory)
+
+
+class YesThenStop:
+    """`multi_turn`'s environment: "yes" after the first turn, the end after the second."""
+
+    def reset(self, **row):
+        self.turns = 0
+
+    def step(self, completion: str):
+        self.turns += 1
+        return "yes" if self.turns == 1 else None
 
 
 def build_shared(out_dir: str, per_device: int, steps: int, callbacks=(), **overrides) -> PPOTrainer:
@@ -458,6 +476,10 @@ def run(name: str, out: str) -> dict:
         t = build(run_dir, per_device, 3, num_generations=2, dynamic_sampling=True, max_num_gen_batches=3,
                   reward=half_constant_reward)
         t.train()
+    elif name == "multi_turn":
+        t = build(run_dir, per_device, 3, eos_bias=2.0, environment_factory=YesThenStop, response_length=10,
+                  max_turn_length=3)
+        t.train()
     elif name == "killed_in_save":
         hang_in_save(2, out)
         t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1, save_strategy="steps", save_steps=1)
@@ -468,7 +490,7 @@ def run(name: str, out: str) -> dict:
                          "packed, packed_own_rows, packed_budget, warmup, loaded, "
                          "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast, "
                          "preempted, preempted_resumed, damaged, killed_in_save, killed_resumed, async_synchronous, "
-                         "async_stale, async_interrupted, async_resumed, async_refused, dynamic")
+                         "async_stale, async_interrupted, async_resumed, async_refused, dynamic, multi_turn")
     result = summary(t) | {"initial": initial} | extra
     if t.accelerator.is_main_process:
         torch.save(result, os.path.join(out, f"{name}.pt"))

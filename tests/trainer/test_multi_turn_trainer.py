@@ -204,6 +204,8 @@ def test_multi_turn_runs_train_and_log_their_metrics(tmp_path, extra):
     for log in logs:
         assert 1.0 <= log["multi_turn/turns_mean"] <= 2.0
         assert 0.0 <= log["multi_turn/truncated_frac"] <= 1.0 and log["multi_turn/env_tokens_mean"] >= 0
+        # a last turn cut by a cap (rollout/truncation_rate) is one way a length cap ends an episode
+        assert log["rollout/truncation_rate"] <= log["multi_turn/truncated_frac"]
         assert all(torch.isfinite(torch.tensor(v)) for v in log.values() if isinstance(v, float))
 
 

@@ -83,7 +83,8 @@ SHARED_RUNS = {"ddp": ["shared_matched", "shared_straight", "shared_interrupted"
 ASYNC_RUNS = {"ddp": ["async_synchronous", "async_stale", "async_interrupted", "async_resumed"], "zero2": [],
               "zero3": ["async_refused"], "fsdp2": ["async_refused"], "fsdp2_sharded": []}
 # dynamic sampling's further draws: as many on every process (ZeRO-3 gathers the weights for each generation)
-GROUP_RUNS = {"ddp": ["dynamic"], "zero2": [], "zero3": ["dynamic"], "fsdp2": [], "fsdp2_sharded": []}
+GROUP_RUNS = {"ddp": ["dynamic", "multi_turn"], "zero2": [], "zero3": ["dynamic", "multi_turn"], "fsdp2": [],
+              "fsdp2_sharded": ["multi_turn"]}
 PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526, "fsdp2_sharded": 29527}
 
 # Differ between 2 processes and 1 by construction, not by a fault:
@@ -472,3 +473,16 @@ def test_dynamic_sampling_on_two_processes(launched):
     assert all(1 <= d <= 3 for d in draws) and max(draws) >= 2, draws
     assert [log["rollout/completions_drawn"] for log in run["logs"]] == [8 * d for d in draws]
     assert any(0 < log["rollout/dynamic_dropped_frac"] < 1 for log in run["logs"])
+
+
+def test_multi_turn_on_two_processes(launched):
+    """Conversations of 1 or 2 turns on each process (a turn cut at 3 tokens ends one): every process generates as
+    many turns (under ZeRO-3 and sharded FSDP2 their forwards meet), and the run trains to its end."""
+    engine, results, _ = launched
+    if engine not in ("ddp", "zero3", "fsdp2_sharded"):
+        return
+    run = results["multi_turn"]
+    assert run["global_step"] == 3 and run["world_size"] == 2
+    turns = [log["multi_turn/turns_mean"] for log in run["logs"]]
+    assert all(1.0 <= t <= 2.0 for t in turns) and max(turns) > 1.0, turns
+    assert all(log["multi_turn/env_tokens_mean"] >= 0 for log in run["logs"])

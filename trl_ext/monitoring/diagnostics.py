@@ -87,6 +87,8 @@ def rollout_metrics(r: Rollout, kl_coef: float, stop_token_id: int | None, gathe
     else:  # the last real token (of a conversation: the model's last turn) is the stop token
         stopped = r.responses.gather(1, last_true_index(mask)[:, None])[:, 0] == stop_token_id
     truncated = (lengths == T) & ~stopped  # hit the length cap without a stop token
+    if r.context_mask is not None:  # a conversation: its last model turn was cut by a length cap
+        truncated = ~stopped if stop_token_id is not None else torch.zeros_like(stopped)
     kl_seq = r.kl.sum(1)  # (B,) per-sequence KL of the estimator that shapes the reward
     kl_k1 = (estimate_kl(r.logprobs, r.ref_logprobs, "k1") * mask).sum(1)
     kl_k3 = (estimate_kl(r.logprobs, r.ref_logprobs, "k3") * mask).sum(1)

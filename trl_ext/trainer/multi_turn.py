@@ -80,7 +80,8 @@ class Conversations:
     turn_rewards: list[list[float]]  # one list per row, one reward per model turn
     messages: list[list[dict]]  # one list per row: TRL's conversational completion
     environments: list | None  # the rows' environment instances (reward functions get them as `environments`)
-    metrics: dict[str, float]  # this process's sums: see `MultiTurn.metrics`
+    metrics: dict[str, float]  # this process's sums (RolloutPhase._turn_metrics)
+    rows: list[Conversation]  # each row's conversation (its counts)
 
 
 def environment_methods(environment) -> list[Callable]:
@@ -171,9 +172,13 @@ class MultiTurn:
 
     # ------------------------------------------------------------------------------------------------ the loop
     def run(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict,
-            generate: Callable[[list[list[int]], int], list[tuple[list[int], list[float]]]]) -> Conversations:
+            generate: Callable[[list[list[int]], int], list[tuple[list[int], list[float]]]],
+            open_anywhere: Callable[[bool], bool] | None = None) -> Conversations:
         """Run a batch of conversations. `generate(contexts, max_new_tokens)`: one model turn for each context (a
-        list of token ids), -> (ids up to and including the stop token, the sampler's log-probs of them)."""
+        list of token ids), -> (ids up to and including the stop token, the sampler's log-probs of them).
+        `open_anywhere(open here)`: with several processes, whether any still has an open conversation: every
+        process then generates as many turns (its generate calls meet the others' under ZeRO-3 and FSDP), one
+        whose conversations all ended a throw-away one-token turn."""
         args, B = self.args, queries.shape[0]
         rows = [{k: v[i] for k, v in extra_columns.items()} for i in range(B)]
         prompts = real_rows(queries, query_mask.bool())
@@ -183,8 +188,11 @@ class MultiTurn:
         rounds = 0
         while True:
             open_rows = [i for i, c in enumerate(conversations) if not c.done]
-            if not open_rows:
+            if not (open_anywhere(bool(open_rows)) if open_anywhere is not None else open_rows):
                 break
+            if not open_rows:  # others still talk: a turn here too, discarded
+                generate([conversations[0].prompt_ids], 1)
+                continue
             # 1. one model turn for every open conversation, as long as what is left allows
             limits = [budget - len(conversations[i].ids) for i in open_rows]
             cap = max(limits) if args.max_turn_length is None else min(max(limits), args.max_turn_length)
@@ -374,7 +382,9 @@ class RolloutFunction:
     def reward_functions(self) -> list[Callable]:
         return []
 
-    def run(self, queries, query_mask, extra_columns: dict, generate) -> Conversations:
+    def run(self, queries, query_mask, extra_columns: dict, generate, open_anywhere=None) -> Conversations:
+        """(`open_anywhere` is MultiTurn's: under ZeRO-3 and FSDP every process's rollout_func must call
+        generate_turns as many times.)"""
         B = queries.shape[0]
         prompts = extra_columns.get("prompt")
         if prompts is None:
@@ -444,7 +454,7 @@ def _collect(conversations: list[Conversation], queries: torch.Tensor, pad_token
                          context_mask=context.to(device), model_mask=model.to(device),
                          sampler_logprobs=logprobs.to(device), turn_rewards=[c.turn_rewards for c in conversations],
                          messages=[c.messages for c in conversations] if any(c.messages for c in conversations)
-                         else None, environments=environments, metrics=metrics)
+                         else None, environments=environments, metrics=metrics, rows=conversations)
 
 
 def _last_turn_length(model: list[bool]) -> int:

@@ -239,7 +239,7 @@ class PPOTrainer(PPOTrainerBase):
                                         self.stop_token_id)
         if self.multi_turn is None:
             return
-        if self.stop_token_id is None:
+        if self.stop_token_id is None and isinstance(self.multi_turn, MultiTurn):
             raise ValueError("multi-turn rollouts end each model turn at the stop token, but there is none "
                              "(stop_token='none'): set a stop token (the chat template's end of turn).")
         if args.async_rollouts:
@@ -259,6 +259,33 @@ class PPOTrainer(PPOTrainerBase):
         if generate is None:
             raise RuntimeError("generate_turns samples inside rollout_func, while the trainer makes a rollout.")
         return generate(contexts, max_new_tokens)
+
+    @torch.no_grad()
+    def run_episodes(self, dataset, seed: int = 0, batch_size: int = 32) -> list[dict]:
+        """Play one episode per row of `dataset` (prompts in any form the trainer takes, with the columns the
+        environments' reset reads) with the current policy, sampled as in training but from an RNG stream of its own
+        (`seed`): the evaluation of tools and environments. Returns one dict per row: `messages` (TRL's
+        conversational completion), `turns`, `tool_calls`, `tool_failures`, `truncated` and `reward` (the
+        environment's get_reward, None without one)."""
+        if not isinstance(self.multi_turn, MultiTurn):
+            raise ValueError("run_episodes plays episodes with tools or environment_factory; this trainer has none.")
+        tok, engine = self.processing_class, self.multi_turn
+        prepared = prepare_prompts(dataset, tok, self.args.max_prompt_length, self.args.prompt_truncation,
+                                   tools=engine.prompt_tools).dataset
+        collator = LeftPaddingCollator(tok, [c for c in prepared.column_names if c != "input_ids"])
+        generate = self.sampler.turn_generator(self.state.global_step, seed=seed)
+        episodes, device = [], self.accelerator.device
+        with self.backend.whole_weights():
+            for start in range(0, len(prepared), batch_size):
+                batch = collator([prepared[i] for i in range(start, min(start + batch_size, len(prepared)))])
+                talk = engine.run(batch["input_ids"].to(device), batch["attention_mask"].to(device).bool(),
+                                  dataset_columns(batch), generate, self.rollout_phase._open_anywhere())
+                for c in talk.rows:  # (the environments go back to the pool: their rewards are read now)
+                    get_reward = getattr(c.environment, "get_reward", None)
+                    episodes.append({"messages": c.messages, "turns": len(c.turn_rewards), "tool_calls": c.tool_calls,
+                                     "tool_failures": c.tool_failures, "truncated": c.truncated,
+                                     "reward": float(get_reward()) if callable(get_reward) else None})
+        return episodes
 
     def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
         """A `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever the

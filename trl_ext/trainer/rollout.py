@@ -216,13 +216,24 @@ class RolloutPhase:
                 drawn = self.sampler.rollout_responses(queries, query_mask, step, draw)
                 return _Batch(queries, query_mask.bool(), extra_columns, *drawn)
             talk = self.multi_turn.run(queries, query_mask.bool(), extra_columns,
-                                       self.sampler.turn_generator(step, draw))
+                                       self.sampler.turn_generator(step, draw), self._open_anywhere())
         for key, value in talk.metrics.items():
             self._turn_sums[key] = self._turn_sums.get(key, 0.0) + value
         return _Batch(talk.queries, talk.query_mask, extra_columns, talk.responses, talk.context_mask,
                       talk.sampler_logprobs, model_mask=talk.model_mask,
                       turn_rewards=place_turn_rewards(talk.turn_rewards, talk.model_mask),
                       messages=talk.messages, environments=talk.environments)
+
+    def _open_anywhere(self):
+        """Several processes: (open here) -> whether any process has an open conversation (MultiTurn.run)."""
+        if self.backend.num_processes == 1:
+            return None
+
+        def open_anywhere(open_here: bool) -> bool:
+            flag = torch.tensor(float(open_here), device=self.backend.device)
+            return bool(self.backend.sum_over_processes(flag).item())
+
+        return open_anywhere
 
     @contextmanager
     def _reference_trunk(self):
@@ -304,7 +315,8 @@ class RolloutPhase:
         entropy = args.top_entropy_quantile < 1  # π_old's entropy from the same logits
         for s in self._chunks(query_mask, response_mask):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
-            packing = Packing.of(inputs, response_mask[s]) if args.padding_free else None
+            # padding-free: logits only where they predict a token PPO trains on (not a tool's)
+            packing = Packing.of(inputs, batch.train_mask[s]) if args.padding_free else None
             forward = inputs if packing is None else packing.inputs  # what the models read
             # 3. a reference holding the critic's frozen trunk computes its output on the way (trunk_from_reference)
             with self.phases("reference"), accelerator.autocast(), self._reference_trunk() as captured:

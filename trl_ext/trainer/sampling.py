@@ -79,13 +79,17 @@ class ResponseSampler:
         with self.backend.generation_model(self.gather_zero3) as unwrapped:
             return self.generate(unwrapped.policy, queries, query_mask, self.rollout_generator(step, draw))
 
-    def turn_generator(self, step: int, draw: int = 0):
+    def turn_generator(self, step: int, draw: int = 0, seed: int | None = None):
         """Multi-turn rollouts (trl_ext/trainer/multi_turn.py) of iteration `step`: a function (contexts, n) -> one
         model turn of at most n tokens for each context (a token-id list): (ids up to and including the stop token,
         the sampler's log-probs). Seeded like `rollout_responses`: HF generate draws every turn from one generator
-        of (process, step, draw); vLLM seeds request i of turn k with the draw's seed + k·1_000_003 + i."""
-        seed = rollout_seed(self.local_seed, step, draw)
-        generator = None if self.vllm is not None else self.rollout_generator(step, draw)
+        of (process, step, draw); vLLM seeds request i of turn k with the draw's seed + k·1_000_003 + i. `seed`: a
+        stream of its own instead (evaluation), the training draws untouched."""
+        if seed is None:
+            seed, generator = rollout_seed(self.local_seed, step, draw), self.rollout_generator(step, draw)
+        else:
+            generator = torch.Generator(device=self.backend.device).manual_seed(seed)
+        generator = None if self.vllm is not None else generator
         turn = [0]
 
         def generate(contexts: list[list[int]], max_new_tokens: int):

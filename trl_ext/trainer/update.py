@@ -203,7 +203,8 @@ class PPOUpdate:
                     micro = rows_of[rows]
                     with self._accumulate(last=i == len(micro_batches) - 1):
                         inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.input_mask)
-                        packing = Packing.of(inputs, micro.input_mask) if args.padding_free else None
+                        # padding-free: logits only where they predict the model's tokens (not a tool's)
+                        packing = Packing.of(inputs, micro.response_mask) if args.padding_free else None
                         pg_stats, vf_stats, entropy = self.micro_batch_losses(
                             inputs, micro, critic_only, denominators[k], loss_scale, vf_coef, packing)
                         nonfinite_losses += ~torch.isfinite(pg_stats["loss"] + vf_stats["loss"])
