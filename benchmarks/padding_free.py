@@ -60,8 +60,8 @@ def ragged_trl_ext(trainer) -> None:
     sampler, tok, steps = trainer.rollout_phase.sampler, trainer.processing_class, [0]
     original = sampler.rollout_responses
 
-    def rollout_responses(queries, query_mask, step):
-        responses, _, logprobs = original(queries, query_mask, step)
+    def rollout_responses(queries, query_mask, step, draw=0):
+        responses, _, logprobs = original(queries, query_mask, step, draw)
         lengths = stop_lengths(steps[0], responses.shape[0], responses.shape[1])
         steps[0] += 1
         responses, mask = cut(responses, lengths, tok.eos_token_id, tok.pad_token_id)

@@ -75,7 +75,7 @@ class ScriptArguments:
 
 
 # 32 PPO steps of 8 episodes: up to 3 turns of at most 16 tokens, 96 tokens of conversation after the prompt;
-# the arithmetic recipe's learning rate, temperature and β.
+# the arithmetic recipe's learning rate, temperature and β; padding-free passes.
 RECIPE_DEFAULTS = dict(
     **CPU_DEFAULTS,
     output_dir="runs/multiturn",
@@ -86,6 +86,7 @@ RECIPE_DEFAULTS = dict(
     response_length=96,
     max_turn_length=16,
     max_tool_calling_iterations=2,
+    padding_free=True,  # logits only where they predict the model's tokens: not the feedback's, not padding
     temperature=0.7,
     learning_rate=3e-4,
     kl_coef=0.05,

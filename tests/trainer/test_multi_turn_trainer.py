@@ -62,16 +62,31 @@ def dataset(n=8):
 
 
 def trainer(tmp_path, reward=digits, environment_factory=Twice, tools=None, rollout_func=None, eos_bias=5.0,
-            **overrides):
+            layout="whole", **overrides):
+    """layout: "whole" models, a "lora" policy, or a "shared" 4-bit base (policy and critic adapters of one base)."""
     tok = tiny_chat_tokenizer()
     args = PPOConfig(**{**dict(output_dir=str(tmp_path), per_device_train_batch_size=4, num_ppo_epochs=1,
                                num_mini_batches=1, response_length=48, report_to=[], save_strategy="no",
                                num_sample_generations=0, bf16=False, disable_tqdm=True, seed=0, total_episodes=8,
                                logging_steps=1, kl_coef=0.1, learning_rate=1e-3), **overrides})
-    return PPOTrainer(args=args, processing_class=tok,
-                      model=tiny_causal_lm(tok, token_bias={tok.eos_token_id: eos_bias}, **POSITIONS),
-                      ref_model=None, reward_model=reward, train_dataset=dataset(),
-                      value_model=tiny_scalar_model(tok, **POSITIONS), tools=tools,
+    model, value_model, peft_config = (tiny_causal_lm(tok, token_bias={tok.eos_token_id: eos_bias}, **POSITIONS),
+                                       tiny_scalar_model(tok, **POSITIONS), None)
+    if layout == "lora":
+        from peft import LoraConfig
+
+        peft_config = LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+    elif layout == "shared":
+        from peft import LoraConfig
+
+        from trl_ext.models import build_shared_base
+        from trl_ext.testing import tiny_4bit_causal_lm
+
+        lora = dict(lora_alpha=8, target_modules="all-linear", lora_dropout=0.0)
+        model = build_shared_base(tiny_4bit_causal_lm(tok, tmp_path / "base", **POSITIONS),
+                                  policy_lora=LoraConfig(r=4, **lora), critic_lora=LoraConfig(r=2, **lora))
+        value_model = None
+    return PPOTrainer(args=args, processing_class=tok, model=model, ref_model=None, reward_model=reward,
+                      train_dataset=dataset(), value_model=value_model, peft_config=peft_config, tools=tools,
                       environment_factory=environment_factory, rollout_func=rollout_func)
 
 
@@ -82,7 +97,7 @@ def first_batch(t):
 
 
 def scripted_rollout(t, turns):
-    t.sampler.turn_generator = lambda step, draw=0: scripted(t.processing_class, turns)
+    t.sampler.turn_generator = lambda step, draw=0, seed=None: scripted(t.processing_class, turns)
     return t.rollout(*first_batch(t))
 
 
@@ -207,6 +222,36 @@ def test_multi_turn_runs_train_and_log_their_metrics(tmp_path, extra):
         # a last turn cut by a cap (rollout/truncation_rate) is one way a length cap ends an episode
         assert log["rollout/truncation_rate"] <= log["multi_turn/truncated_frac"]
         assert all(torch.isfinite(torch.tensor(v)) for v in log.values() if isinstance(v, float))
+
+
+@pytest.mark.parametrize("layout", ["lora", "shared"])
+def test_lora_and_a_shared_4bit_base_train_on_conversations(tmp_path, layout):
+    """Two-turn conversations (scripted turns) with a LoRA policy, and with one 4-bit base for policy, reference and
+    critic: the environment's tokens are left out, the adapters train."""
+    t = trainer(tmp_path, layout=layout)
+    t.sampler.turn_generator = lambda step, draw=0, seed=None: scripted(t.processing_class, TURNS)
+    before = {n: p.detach().clone() for n, p in t.unwrapped.policy.named_parameters() if p.requires_grad}
+    t.train()
+    logs = [h for h in t.state.log_history if "objective/scores" in h]
+    assert len(logs) == 2 and all(log["multi_turn/turns_mean"] == 2.0 for log in logs)
+    assert all(log["multi_turn/env_tokens_mean"] == len(ids_of(t.processing_class, USER_SUFFIX.format("again")))
+               for log in logs)
+    after = dict(t.unwrapped.policy.named_parameters())
+    assert before and any(not torch.equal(v, after[n]) for n, v in before.items())
+
+
+def test_dynamic_sampling_redraws_conversations(tmp_path):
+    """Groups of 2 conversations; a reward constant for the first prompts' groups: those are redrawn (each draw a
+    multi-turn rollout of its own) and the batch stays full."""
+    def constant_for_some(completions, prompts, **kwargs):  # TRL's convention: the messages
+        return [0.0 if p[0]["content"] in ("Say 0", "Say 1") else float(len(str(c))) for p, c in
+                zip(prompts, completions)]
+
+    t = trainer(tmp_path, reward=constant_for_some, num_generations=2, dynamic_sampling=True, max_num_gen_batches=3)
+    t.train()
+    logs = [h for h in t.state.log_history if "objective/scores" in h]
+    assert logs and all(1 <= log["rollout/dynamic_draws"] <= 3 for log in logs)
+    assert all(1.0 <= log["multi_turn/turns_mean"] <= 2.0 for log in logs)
 
 
 def test_a_resumed_multi_turn_run_is_the_uninterrupted_one(tmp_path):

@@ -741,7 +741,7 @@ class PPOTrainer(PPOTrainerBase):
         tok, n = self.processing_class, min(max_rows, len(rollout))
         records = [{"step": self.state.global_step,
                     "prompt": tok.decode(rollout.queries[i][rollout.query_mask[i]], skip_special_tokens=True),
-                    "completion": tok.decode(rollout.responses[i][rollout.response_mask[i]], skip_special_tokens=True),
+                    "completion": tok.decode(rollout.responses[i][rollout.input_mask[i]], skip_special_tokens=True),
                     "score": rollout.scores[i].item()} for i in range(n)]
         append_jsonl(os.path.join(self.args.output_dir, SAMPLES_FILE), records)
 
