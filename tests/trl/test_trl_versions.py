@@ -166,8 +166,10 @@ def test_trl_ext_imports_only_trls_public_names_outside_its_trl_1_12_base():
               "RewardConfig", "RewardTrainer"}
     # modules TRL documents by their path: trl.models; trl.generation.vllm_client, whose VLLMClient TRL's docs import
     # from there (the same path and API in trl 1.12 and 1.16), for vllm_mode="server"'s full-weight sync;
-    # trl.rewards, its reward functions' page (get_soft_overlong_punishment, in 1.12 and 1.16)
-    documented_modules = {"trl.models", "trl.generation.vllm_client", "trl.rewards"}
+    # trl.rewards, its reward functions' page (get_soft_overlong_punishment, in 1.12 and 1.16); trl.chat_template_utils,
+    # its "Chat template utilities" page (add_response_schema; parse_response and the bundled templates such as
+    # qwen2_5_chat_template beside it, the same names in 1.12 and 1.16), for multi-turn rollouts' tool calls
+    documented_modules = {"trl.models", "trl.generation.vllm_client", "trl.rewards", "trl.chat_template_utils"}
     root = Path(__file__).parents[2] / "trl_ext"
     private = []
     for path in root.rglob("*.py"):
