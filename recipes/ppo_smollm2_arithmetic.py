@@ -144,8 +144,9 @@ class TimeBudget(TrainerCallback):
             control.should_training_stop = True
 
 
-def build_trainer(script_args, args, model_args, reward=correct, callbacks=()):
-    """The recipe's PPOTrainer (policy, reference, critic, rewards, prompts) and the held-out prompts."""
+def build_trainer(script_args, args, model_args, reward=correct, callbacks=(), **trainer_kwargs):
+    """The recipe's PPOTrainer (policy, reference, critic, rewards, prompts) and the held-out prompts.
+    `trainer_kwargs`: more PPOTrainer arguments (the multi-turn recipe's environment_factory)."""
     dtype = load_dtype(model_args, args)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
@@ -164,7 +165,7 @@ def build_trainer(script_args, args, model_args, reward=correct, callbacks=()):
     train_dataset, held_out = build_datasets()
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None, reward_model=reward,
                          train_dataset=train_dataset, value_model=value_model, peft_config=get_peft_config(model_args),
-                         callbacks=[TimeBudget(script_args.max_train_seconds), *callbacks])
+                         callbacks=[TimeBudget(script_args.max_train_seconds), *callbacks], **trainer_kwargs)
     return trainer, held_out
 
 

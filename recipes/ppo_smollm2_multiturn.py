@@ -28,11 +28,12 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass, field
 
-from ppo_smollm2_arithmetic import TimeBudget, build_datasets, last_number
-from trl import ModelConfig, get_peft_config
+import ppo_smollm2_arithmetic as arithmetic
+from ppo_smollm2_arithmetic import last_number
+from trl import ModelConfig
 
 from trl_ext import PPOConfig
-from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, load_dtype, parse_args
+from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, parse_args
 
 HELD_OUT = 128  # held-out episodes for the success rate
 
@@ -62,15 +63,10 @@ class AdditionGame:
 
 
 @dataclass
-class ScriptArguments:
-    """Recipe options that are not PPOConfig or ModelConfig fields."""
+class ScriptArguments(arithmetic.ScriptArguments):
+    """The arithmetic recipe's options (the critic's trained layers, a time budget, the evaluation before); the
+    held-out set counts episodes here."""
 
-    value_trainable_layers: int = field(
-        default=2, metadata={"help": "Train only the top N decoder layers (plus final norm and score head) of the "
-                             "value model; -1 trains all of it."})
-    max_train_seconds: float | None = field(
-        default=None, metadata={"help": "Stop training after this many seconds (checked after each PPO step)."})
-    eval_before: bool = field(default=True, metadata={"help": "Measure the held-out success before training too."})
     held_out_size: int = field(default=HELD_OUT, metadata={"help": "Held-out episodes played (at most 256)."})
 
 
@@ -96,28 +92,10 @@ RECIPE_DEFAULTS = dict(
 
 
 def build_trainer(script_args, args, model_args, callbacks=()):
-    """The recipe's PPOTrainer (policy, reference, critic, the environment) and the held-out prompts."""
-    dtype = load_dtype(model_args, args)
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
-
-    from trl_ext import PPOTrainer
-    from trl_ext.embedded import smollm2_path
-    from trl_ext.models import freeze_backbone
-    from trl_ext.scripts import load_tokenizer
-
-    set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
-    model_path = model_args.model_name_or_path or str(smollm2_path())
-    tokenizer = load_tokenizer(model_path)
-    policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
-    value_model.config.pad_token_id = tokenizer.pad_token_id
-    freeze_backbone(value_model, script_args.value_trainable_layers)
-    train_dataset, held_out = build_datasets()
-    trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None, reward_model=None,
-                         train_dataset=train_dataset, value_model=value_model, peft_config=get_peft_config(model_args),
-                         environment_factory=AdditionGame,
-                         callbacks=[TimeBudget(script_args.max_train_seconds), *callbacks])
-    return trainer, held_out
+    """The arithmetic recipe's PPOTrainer (policy, reference, critic, prompts) with the game as its environment and
+    score, and the held-out prompts."""
+    return arithmetic.build_trainer(script_args, args, model_args, reward=None, callbacks=callbacks,
+                                    environment_factory=AdditionGame)
 
 
 def held_out_success(trainer, held_out) -> dict:
