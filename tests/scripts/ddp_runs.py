@@ -29,6 +29,11 @@ and how it held the parameters.
   padding-free (the models' probe runs on partitioned weights).
 - `straight`: 4 iterations, default sampling; `interrupted`: the same settings, a checkpoint every iteration, stopped
   after 2; `resumed`: a fresh trainer resumed from `interrupted`'s checkpoint-2.
+- Another number of processes (the same global batch): `one_straight` / `one_interrupted` (one process, run by the
+  test itself) as `straight` / `interrupted`; `grown`: `one_interrupted`'s checkpoint-2 resumed on 2 processes;
+  `shrunk`: `interrupted`'s checkpoint-2 (2 processes) resumed on one (refused where the state is split per process:
+  its error, and whether the weights stayed as built). Each records its weights when training begins (after the
+  load: `WeightsAtStart`) and every iteration's prompts over all processes (`record_prompts`).
 - Faults (each must end as `straight` does): `preempted`: SIGTERM to process 1 alone at iteration 2, no
   save_strategy (the run saves and exits 0 on every process; SystemExit is caught here); `preempted_resumed`:
   `resume_from_checkpoint=True` in its folder. `damaged`: a copy of `interrupted`'s checkpoint-1 and -2 with 64
@@ -136,6 +141,33 @@ class SignalAt(TrainerCallback):
     def on_step_end(self, args, state, control, **kwargs):
         if state.global_step == self.step and args.process_index == self.rank:
             os.kill(os.getpid(), signal.SIGTERM)
+
+
+class WeightsAtStart(TrainerCallback):
+    """The whole weights when training begins, after a resume has loaded them (`flat_roles`; every process)."""
+
+    def __init__(self):
+        self.trainer, self.roles = None, None
+
+    def on_train_begin(self, args, state, control, **kwargs):
+        self.roles = flat_roles(self.trainer)
+
+
+def record_prompts(trainer: PPOTrainer) -> list:
+    """Filled as the trainer runs: each iteration's prompts (their real token ids) over all processes, process 0's
+    rows first (a collective per iteration)."""
+    from accelerate.utils import gather_object
+
+    seen, next_batch = [], trainer._next_batch
+
+    def recorded(batches):
+        batch, drawn, waited = next_batch(batches)
+        seen.append(gather_object([ids[mask.bool()].tolist() for ids, mask in
+                                   zip(batch["input_ids"], batch["attention_mask"])]))
+        return batch, drawn, waited
+
+    trainer._next_batch = recorded
+    return seen
 
 
 def hang_in_save(step: int, marker_dir: str) -> None:
@@ -431,18 +463,31 @@ def run(name: str, out: str) -> dict:
             "quantized_refused": lambda: build_quantized(run_dir, per_device),
             "async_refused": lambda: build(run_dir, per_device, 1, async_rollouts=True),  # under ZeRO-3 / FSDP2
         }[name])
-    elif name.removeprefix("shared_") in ("straight", "interrupted", "resumed"):
+    elif name.removeprefix("shared_").removeprefix("one_") in ("straight", "interrupted", "resumed"):
         make = build_shared if name.startswith("shared_") else functools.partial(build, critic_warmup_steps=1)
         interrupted = os.path.join(out, name.replace("resumed", "interrupted"))
         if name.endswith("straight"):
             t = make(run_dir, per_device, RESUME_STEPS)
+            extra["prompts"] = record_prompts(t)
             t.train()
         elif name.endswith("interrupted"):
             t = make(run_dir, per_device, RESUME_STEPS, callbacks=[StopAt(2)], save_strategy="steps", save_steps=1)
+            extra["prompts"] = record_prompts(t)
             t.train()
         else:
             t = make(interrupted, per_device, RESUME_STEPS, save_strategy="steps", save_steps=1)
             t.train(resume_from_checkpoint=os.path.join(interrupted, "checkpoint-2"))
+    elif name in ("grown", "shrunk"):  # the same global batch on another number of processes
+        start = WeightsAtStart()
+        t = build(run_dir, per_device, RESUME_STEPS, callbacks=[start], save_strategy="steps", save_steps=1)
+        start.trainer, initial = t, flat_roles(t)
+        extra["prompts"] = record_prompts(t)
+        try:
+            t.train(resume_from_checkpoint=os.path.join(out, "one_interrupted" if name == "grown" else "interrupted",
+                                                        "checkpoint-2"))
+        except ValueError as error:  # CheckpointError: refused
+            extra["error"] = str(error)
+        extra["at_start"] = start.roles
     elif name == "preempted":
         t = build(run_dir, per_device, RESUME_STEPS, critic_warmup_steps=1, callbacks=[SignalAt(2, rank=1)])
         try:
@@ -488,7 +533,8 @@ def run(name: str, out: str) -> dict:
     else:
         raise ValueError(f"unknown run {name!r}: choose from matched, matched_lora, matched_trunk, unpacked, "
                          "packed, packed_own_rows, packed_budget, warmup, loaded, "
-                         "[shared_]straight, [shared_]interrupted, [shared_]resumed, shared_matched, shared_autocast, "
+                         "[shared_|one_]straight, [shared_|one_]interrupted, [shared_]resumed, grown, shrunk, "
+                         "shared_matched, shared_autocast, "
                          "preempted, preempted_resumed, damaged, killed_in_save, killed_resumed, async_synchronous, "
                          "async_stale, async_interrupted, async_resumed, async_refused, dynamic, multi_turn")
     result = summary(t) | {"initial": initial} | extra

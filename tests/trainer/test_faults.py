@@ -49,15 +49,46 @@ def all_finite(trainer):
 
 
 def test_a_learning_rate_that_overflows_the_weights_stops_the_run_and_no_nan_is_saved(tmp_path):
+    """checkpoint-1 is written after the step that overflowed (its weights are ~1e30: finite, useless): the error says
+    no checkpoint precedes the blow-up, and following it (a new run, a lower learning rate) trains on."""
     t = make_trainer(config(tmp_path, learning_rate=1e30, save_strategy="steps", save_steps=1, max_skipped_steps=2))
-    with pytest.raises(FloatingPointError, match=r"Iteration 2: .*NaN/inf.*learning_rate=1e\+30 too high\. "
-                                                 r".*checkpoint-1 holds finite weights"):
+    with pytest.raises(FloatingPointError, match=r"Iteration 2: .*NaN/inf.*learning_rate=1e\+30 too high\. The "
+                                                 r"blow-up began at iteration 1: the policy's weights grew .*-fold in "
+                                                 r"it \(checkpoint-1 saved since.*\), and no checkpoint in .* was "
+                                                 r"saved before it\. Start a new run with a lower learning_rate"):
         t.train()
     skipped = [h["update/skipped_steps"] for h in step_logs(t)]
     assert skipped and skipped[-1] >= 1, skipped
     for folder in tmp_path.glob("checkpoint-*"):  # whatever was saved holds finite weights
         weights = __import__("safetensors.torch", fromlist=["load_file"]).load_file(folder / "model.safetensors")
         assert all(torch.isfinite(w).all() for w in weights.values()), folder
+    again = make_trainer(config(tmp_path, learning_rate=1e-3, save_strategy="steps", save_steps=1))
+    again.train()  # the advice followed: a new run in the same folder
+    assert again.state.global_step == 4 and all_finite(again)
+    assert len(list((tmp_path / "abandoned").iterdir())) == 1  # the blown-up run's checkpoint-1, moved aside
+
+
+def test_the_advice_after_a_blow_up_names_a_checkpoint_that_recovers(tmp_path):
+    """A run resumed from checkpoint-2 with learning_rate=1e30 overflows the weights at iteration 3 and saves the
+    finite, useless checkpoint-3; iteration 4 stops. The error names checkpoint-2 (saved before the blow-up began),
+    and resuming from it with a lower learning rate trains on to the end."""
+    import re
+
+    saved_run(tmp_path, steps=2)
+    blown = make_trainer(config(tmp_path, learning_rate=1e30, save_strategy="steps", save_steps=1,
+                                max_skipped_steps=2))
+    with pytest.raises(FloatingPointError, match=r"The blow-up began at iteration 3: the policy's weights grew "
+                                                 r".*-fold in it \(checkpoint-3 saved since") as error:
+        blown.train(resume_from_checkpoint=True)
+    assert (tmp_path / "checkpoint-3").is_dir()
+    advised = re.search(r"Resume from (\S+), saved before it, with a lower learning_rate: "
+                        r"train\(resume_from_checkpoint='(\S+)'\)", str(error.value))
+    assert advised and advised.group(1) == advised.group(2) == str(tmp_path / "checkpoint-2"), str(error.value)
+    recovered = make_trainer(config(tmp_path, learning_rate=1e-3))
+    recovered.train(resume_from_checkpoint=advised.group(2))
+    assert recovered.state.global_step == 4 and all_finite(recovered)
+    assert all(abs(h["objective/scores"]) < 1e3 for h in step_logs(recovered))
+    same_run(recovered, straight_run(tmp_path / "straight"))  # checkpoint-2 of the healthy run: the same run
 
 
 def test_a_reward_out_of_range_skips_the_steps_and_raises_the_alarm(tmp_path):
@@ -317,7 +348,7 @@ def test_resuming_from_an_older_checkpoint_abandons_the_later_ones(tmp_path):
 
 
 def test_a_replaced_checkpoint_is_moved_aside_before_it_is_deleted(tmp_path, monkeypatch):
-    from trl_ext.trainer.checkpoint import required_files, verify
+    from trl_ext.trainer.checkpoint import verify
 
     t = saved_run(tmp_path, steps=2)
 
@@ -328,8 +359,25 @@ def test_a_replaced_checkpoint_is_moved_aside_before_it_is_deleted(tmp_path, mon
     monkeypatch.setattr("trl_ext.trainer.checkpoint.shutil.rmtree", killed)
     with pytest.raises(KeyboardInterrupt):
         t._save_checkpoint(t.model, trial=None)  # checkpoint-2 again
-    assert verify(str(tmp_path / "checkpoint-2"), required_files(1, False)) is None  # the new copy, whole
-    assert verify(str(tmp_path / "checkpoint-2.replaced"), required_files(1, False)) is None  # the old, whole
+    assert verify(str(tmp_path / "checkpoint-2")) is None  # the new copy, whole
+    assert verify(str(tmp_path / "checkpoint-2.replaced")) is None  # the old, whole
+
+
+def test_a_new_run_in_a_folder_of_older_checkpoints_moves_them_aside(tmp_path, capsys):
+    """A new run (no resume) in the output_dir of an older run: the older run's checkpoints move into abandoned/, so
+    a restart with resume_from_checkpoint=True continues the new run, not the older one."""
+    saved_run(tmp_path, steps=4)  # the older run: checkpoint-1..4, finished
+    new = make_trainer(config(tmp_path, seed=4, save_strategy="steps", save_steps=1), callbacks=[StopAt(2)])
+    new.train()  # stopped after checkpoint-2 (preempted)
+    said = capsys.readouterr().out
+    assert f"[trl_ext] a new run in {tmp_path} (not resumed): the checkpoints there, of an earlier run, are moved " \
+           f"aside, to {tmp_path / 'abandoned' / 'checkpoint-4-'}" in said
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1", "checkpoint-2"]
+    assert sorted(p.name.split("-20")[0] for p in (tmp_path / "abandoned").iterdir()) == [
+        f"checkpoint-{i}" for i in (1, 2, 3, 4)]
+    restarted = make_trainer(config(tmp_path, seed=4))
+    restarted.train(resume_from_checkpoint=True)
+    same_run(restarted, straight_run(tmp_path / "straight", seed=4))
 
 
 # --- 8. a full disk -----------------------------------------------------------------------------------------------
@@ -379,3 +427,23 @@ def test_a_reward_function_needing_a_missing_column_is_an_error_at_construction(
     PPOTrainer(args=config(tmp_path), processing_class=tok, model=tiny_causal_lm(tok), ref_model=None,
                reward_model=needs_answer, train_dataset=data, value_model=tiny_scalar_model(tok, seed=1))
 
+
+
+def test_a_full_disk_at_the_first_write_is_a_checkpoint_error(tmp_path, monkeypatch):
+    """The first and largest write, model.safetensors: safetensors reports a full disk as its own SafetensorError."""
+    from safetensors import SafetensorError
+
+    t = saved_run(tmp_path, steps=1)
+
+    def disk_full(tensors, filename, *args, **kwargs):
+        with open(filename, "wb") as handle:
+            handle.write(b"\0" * 100)
+        raise SafetensorError("Error while serializing: I/O error: No space left on device (os error 28)")
+
+    monkeypatch.setattr("transformers.modeling_utils.safe_save_file", disk_full)
+    t.state.global_step = 2
+    with pytest.raises(CheckpointError, match=r"checkpoint-2.partial failed \(SafetensorError: .*No space left on "
+                                              r"device.*\)\. The disk of .* has [0-9.]+ MiB free; the last checkpoint "
+                                              r"took [0-9.]+ MiB\. .*checkpoint-1 is kept, intact"):
+        t._save_checkpoint(t.model, trial=None)
+    assert sorted(p.name for p in tmp_path.glob("checkpoint-*")) == ["checkpoint-1"]

@@ -23,6 +23,10 @@ One `accelerate launch` per engine runs tests/scripts/ddp_runs.py's runs in the 
   checkpoint-2 by a fresh trainer: weights and every logged metric bit-identical (DeepSpeed resumes from its engine
   checkpoint, FSDP2 from its own files; each process's RNG state is restored). The checkpoint's policy weights
   (gathered from the shards) must be the trained ones.
+- Another number of processes, the same global batch: DDP's and FSDP2's FULL_STATE_DICT checkpoints resume on one
+  process and a one-process checkpoint on 2 DDP or FSDP2 processes, with the checkpoint's weights and the
+  uninterrupted run's prompts at every iteration; a checkpoint whose state is split per process (ZeRO-2/3, FSDP2's
+  SHARDED_STATE_DICT), or one DeepSpeed cannot read, is refused before anything loads.
 - Faults, each resumed and then bit-identical to `straight`: SIGTERM to process 1 alone (both save and exit 0);
   process 1's file of a checkpoint flipped, then deleted (refused by name; `resume_from_checkpoint=True` falls back
   to the checkpoint before); the whole launch SIGKILLed inside a save, after every process wrote its files (a launch
@@ -85,6 +89,8 @@ ASYNC_RUNS = {"ddp": ["async_synchronous", "async_stale", "async_interrupted", "
 # dynamic sampling's further draws: as many on every process (ZeRO-3 gathers the weights for each generation)
 GROUP_RUNS = {"ddp": ["dynamic", "multi_turn"], "zero2": [], "zero3": ["dynamic", "multi_turn"], "fsdp2": [],
               "fsdp2_sharded": ["multi_turn"]}
+# `one_interrupted`'s checkpoint-2 (one process, run by the test before the launch) resumed on 2 processes
+REGROWN_RUNS = {engine: ["grown"] for engine in ENGINES}
 PORTS = {"ddp": 29523, "zero2": 29524, "zero3": 29525, "fsdp2": 29526, "fsdp2_sharded": 29527}
 
 # Differ between 2 processes and 1 by construction, not by a fault:
@@ -111,7 +117,7 @@ def launched(request, tmp_path_factory):
     engine = request.param
     env = {**os.environ, "OMP_NUM_THREADS": "1", "TOKENIZERS_PARALLELISM": "false", "DS_ACCELERATOR": "cpu",
            "PYTHONPATH": f"{ROOT}{os.pathsep}{os.environ.get('PYTHONPATH', '')}"}
-    runs = RUNS + FAULT_RUNS + SHARED_RUNS[engine] + ASYNC_RUNS[engine] + GROUP_RUNS[engine]
+    runs = RUNS + FAULT_RUNS + SHARED_RUNS[engine] + ASYNC_RUNS[engine] + GROUP_RUNS[engine] + REGROWN_RUNS[engine]
     if engine == "ddp":
         env["ACCELERATE_USE_CPU"] = "true"
 
@@ -124,6 +130,8 @@ def launched(request, tmp_path_factory):
                     str(ROOT / "tests" / "scripts" / "ddp_runs.py"), "--out", str(out), "--runs", ",".join(names)]
 
         kill_inside_a_save(command(PORTS[engine] + 10, ["killed_in_save"]), out, env)
+        if REGROWN_RUNS[engine]:
+            ddp_runs.run("one_interrupted", str(out))  # one process, here
         proc = subprocess.run(command(PORTS[engine], runs), capture_output=True, text=True, env=env, timeout=900,
                               cwd=ROOT)
         (out / "launch.stdout").write_text(proc.stdout)
@@ -344,6 +352,55 @@ def _as_straight(resumed: dict, straight: dict, engine: str) -> None:
         return [{k: v for k, v in log.items() if k not in WALL_CLOCK_KEYS} for log in logs]
 
     assert comparable(resumed["logs"]) == comparable(straight["logs"])
+
+
+# how a checkpoint of one process resumes on 2 processes under each engine (`grown`), and each engine's checkpoint of
+# 2 processes on one (`shrunk`): None where it resumes, else what its error says
+GROWN = {engine: None for engine in ENGINES} | {
+    f"zero{n}": f"under DeepSpeed ZeRO-{n}: it was saved under one process, whose files DeepSpeed ZeRO-{n} does not "
+                "read" for n in (2, 3)}
+SHRUNK = {"ddp": None, "fsdp2": None} | {
+    f"zero{n}": f"world_size is 1 now and was 2 when it was saved under DeepSpeed ZeRO-{n}, and DeepSpeed ZeRO-{n} "
+                "wrote one optimizer state file per process" for n in (2, 3)} | {
+    "fsdp2_sharded": "world_size is 1 now and was 2 when it was saved under FSDP2 (SHARDED_STATE_DICT), and FSDP2's "
+                     "SHARDED_STATE_DICT wrote one shard per process"}
+
+
+def test_a_checkpoint_resumes_on_another_number_of_processes_where_its_state_is_whole(launched):
+    """The same global batch of 8 on one process (per-device 8) and on 2 (per-device 4). A checkpoint whose files are
+    whole (one process, DDP, FSDP2's FULL_STATE_DICT) resumes on the other count, and into FSDP2 from one process:
+    training begins with the checkpoint's weights, each iteration takes the prompts the uninterrupted run takes at
+    it (the same samples of the same epoch), and the run trains on to its end. A checkpoint whose state is split per
+    process, or that the engine cannot read, is refused before anything loads (the weights stay as built), naming
+    world_size, both counts and the fix, or both engines."""
+    engine, results, out = launched
+    shrunk = ddp_runs.run("shrunk", str(out))  # interrupted's checkpoint-2, on one process here
+    stdout = (out / "launch.stdout").read_text()
+    cases = {"grown": (results["grown"], torch.load(out / "one_interrupted.pt"), "one_straight", GROWN[engine],
+                       out / "one_interrupted" / "checkpoint-2"),
+             "shrunk": (shrunk, results["interrupted"], "straight", SHRUNK[engine],
+                        out / "interrupted" / "checkpoint-2")}
+    for name, (moved, source, straight, refusal, checkpoint) in cases.items():
+        if refusal is not None:
+            assert f"Cannot resume from {checkpoint}" in moved["error"] and refusal in moved["error"], moved["error"]
+            if "world_size" in refusal:
+                assert "Resume with 2 processes (accelerate launch --num_processes 2)" in moved["error"]
+            assert moved["at_start"] is None and moved["global_step"] == 0
+            for part in ("policy", "value"):
+                assert torch.equal(moved[part], moved["initial"][part]), f"{engine} {name}: the refusal loaded {part}"
+            continue
+        straight = ddp_runs.run(straight, str(out)) if straight == "one_straight" else results[straight]
+        assert "error" not in moved and moved["global_step"] == ddp_runs.RESUME_STEPS
+        assert moved["world_size"] != source["world_size"]
+        for part in ("policy", "value"):
+            assert torch.equal(moved["at_start"][part], source[part]), f"{engine} {name}: not the checkpoint's {part}"
+            assert not torch.equal(moved[part], source[part]), f"{engine} {name}: the {part} did not train on"
+        assert len(straight["prompts"]) == ddp_runs.RESUME_STEPS and len(straight["prompts"][0]) == 8
+        assert source["prompts"] == straight["prompts"][:2]
+        assert moved["prompts"] == straight["prompts"][2:], f"{engine} {name}"  # iterations 3 and 4, in order
+        assert len(moved["logs"]) == ddp_runs.RESUME_STEPS
+    if GROWN[engine] is None:
+        assert "saved by 1 process(es), on 2: the same global batch" in stdout
 
 
 def test_sigterm_to_one_process_saves_on_both_exits_0_and_resumes_exactly(launched):

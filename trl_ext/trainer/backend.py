@@ -466,7 +466,40 @@ class Backend:
                 bad += (~torch.isfinite(t.detach())).any().to(self.device)
         return float(self.sum_over_processes(bad)) == 0
 
+    def policy_weights_norm(self) -> float:
+        """The L2 norm of the policy's trained weights over all processes, in float64 (weights near fp32's limit still
+        give a finite norm; a non-finite weight gives a non-finite one): under ZeRO-3 and FSDP2 each process's shards,
+        summed (a collective); elsewhere each process holds them whole."""
+        tensors = [getattr(p, "ds_tensor", p) for p in self.unwrap().policy_parameters() if p.requires_grad]
+        square = torch.zeros((), dtype=torch.float64, device=self.device)
+        for t in tensors:
+            t = t.to_local() if hasattr(t, "to_local") else t  # FSDP2: the local shard
+            if t.numel():
+                square += torch.linalg.vector_norm(t.detach(), dtype=torch.float64).to(self.device) ** 2
+        if self.params_sharded:
+            square = self.sum_over_processes(square)
+        return float(square.sqrt())
+
     # ------------------------------------------------------------------------------------------------ saving
+    def checkpoint_engine(self) -> dict:
+        """How this engine writes a checkpoint (`checkpoint.layout_record`): its name, the family of files (one
+        family resumes another: a plain process's and DDP's are the same), and why the files are split per process
+        (None: whole, so a checkpoint resumes on any number of processes)."""
+        if self.deepspeed:
+            stage = self.accelerator.state.deepspeed_plugin.zero_stage
+            return {"name": f"DeepSpeed ZeRO-{stage}", "files": "deepspeed",
+                    "per_process": f"DeepSpeed ZeRO-{stage} wrote one optimizer state file per process"}
+        if self.fsdp:
+            from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
+
+            kind = self.accelerator.state.fsdp_plugin.state_dict_type
+            if kind == StateDictType.FULL_STATE_DICT:
+                return {"name": "FSDP2 (FULL_STATE_DICT)", "files": "fsdp2-full", "per_process": None}
+            return {"name": f"FSDP2 ({kind.name})", "files": "fsdp2-sharded",
+                    "per_process": f"FSDP2's {kind.name} wrote one shard per process (FULL_STATE_DICT, as the shipped "
+                                   "fsdp.yaml, writes whole files)"}
+        return {"name": "DDP" if self.num_processes > 1 else "one process", "files": "whole", "per_process": None}
+
     def role_state_dicts(self) -> tuple[dict | None, dict | None]:
         """(policy, value model) state dicts to save on the main process: gathered whole from the shards under
         ZeRO-3 and FSDP2 (a collective: every process calls this), None where each process holds the weights."""
@@ -503,11 +536,7 @@ class Backend:
         import torch.distributed.checkpoint as dcp
         from accelerate.utils.constants import OPTIMIZER_NAME
         from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
-        from torch.distributed.checkpoint.state_dict import (
-            StateDictOptions,
-            get_optimizer_state_dict,
-            set_optimizer_state_dict,
-        )
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, get_optimizer_state_dict
         from torch.distributed.fsdp.fully_sharded_data_parallel import StateDictType
 
         plugin, optimizer = self.accelerator.state.fsdp_plugin, getattr(optimizer, "optimizer", optimizer)
@@ -531,14 +560,44 @@ class Backend:
             state = {"optimizer": get_optimizer_state_dict(self.model, optimizer, options=options)}
             dcp.load(state, storage_reader=reader, planner=DefaultLoadPlanner(allow_partial_load=True))
             state = state["optimizer"]
-        set_optimizer_state_dict(self.model, optimizer, state, options=options)
-        params = dict(self.model.named_parameters())
-        unknown = sorted(set(saved[0]) - set(params))
+        self._set_optimizer_state(self.model, optimizer, state, saved[0], options, checkpoint)
+
+    def load_whole_files(self, checkpoint: str, saved: dict, optimizer, is_peft: bool) -> None:
+        """Another engine's checkpoint whose files are whole (`checkpoint.readable`: a plain process's or DDP's,
+        FSDP2's FULL_STATE_DICT), as this engine holds the state: the weights from its `save_pretrained` folders
+        (under FSDP2 sharded as they load), the optimizer state by parameter name, not strict (as
+        `load_fsdp2_optimizer`)."""
+        from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
+
+        from .checkpoint import check_loaded, load_trained_weights, whole_optimizer_state, whole_weights
+
+        wrapper, optimizer = self.unwrap(), getattr(optimizer, "optimizer", optimizer)
+        if self.fsdp:
+            weights = whole_weights(checkpoint, is_peft, saved["engine"])
+            result = set_model_state_dict(self.model, weights, options=StateDictOptions(full_state_dict=True,
+                                                                                         strict=False))
+            check_loaded(self.model, weights, result, checkpoint)
+        else:
+            load_trained_weights(wrapper, checkpoint, is_peft, self.shared)
+        state = whole_optimizer_state(checkpoint, saved["files"], optimizer, wrapper)
+        self._set_optimizer_state(self.model if self.fsdp else wrapper, optimizer, state, sorted(state["state"]),
+                                  StateDictOptions(full_state_dict=True, strict=False), checkpoint)
+
+    @staticmethod
+    def _set_optimizer_state(model: nn.Module, optimizer, state: dict, saved: list[str], options,
+                             checkpoint: str) -> None:
+        """Load a state keyed by parameter names (`saved`: those it holds a state for); the parameters it has none for
+        lose the zero-step state torch fills in, so they start theirs at their first step."""
+        from torch.distributed.checkpoint.state_dict import set_optimizer_state_dict
+
+        set_optimizer_state_dict(model, optimizer, state, options=options)
+        params = dict(model.named_parameters())
+        unknown = sorted(set(saved) - set(params))
         if unknown:
             raise ValueError(f"The optimizer state in {checkpoint} names parameters this model does not have: "
                              f"{unknown[:5]}. Resume with the model the checkpoint was written with.")
         for name, param in params.items():
-            if name not in saved[0]:
+            if name not in saved:
                 optimizer.state.pop(param, None)
 
 

@@ -9,19 +9,24 @@ file: `seal`). It is written into `checkpoint-N.partial` and renamed when comple
 and sealed (`staged`), so a run killed mid-save leaves the previous checkpoint intact (`get_last_checkpoint` only sees
 complete `checkpoint-N` folders); a write that fails on any process removes the partial folder and says why, with the
 free space. A resume verifies the files (`verify`: every file the state lists, with its size and hash, and the files
-a resume needs by name); with `resume_from_checkpoint=True` the newest intact checkpoint is taken, saying which were
-skipped (`choose_checkpoint`). Resuming from an older checkpoint than the newest moves the later ones into
-`output_dir/abandoned/` (`abandon_later`), so an automatic restart continues the run resumed, not the one given up.
+a resume needs by name, from the checkpoint's own record of the processes that wrote it: `layout_record`); with
+`resume_from_checkpoint=True` the newest intact checkpoint is taken, saying which were skipped (`choose_checkpoint`).
+A checkpoint resumes on another number of processes where its state is whole (`check_layout`). One timeline per
+`output_dir`: resuming from an older checkpoint than the newest moves the later ones into `output_dir/abandoned/`,
+and a run that does not resume moves every checkpoint there (`abandon_after`), so an automatic restart continues the
+run resumed or started, never another. After a blow-up, `WeightGrowth` tells which checkpoints were saved before it
+began (`recovery_advice`).
 
 The trainer writes the files (`PPOTrainer._save_checkpoint`, with transformers' own optimizer/RNG writers) inside
-`staged`, and resumes with `choose_checkpoint`, `read_state`, `check_compatible`, `load_trained_weights` and
-`changed_settings`.
+`staged`, and resumes with `choose_checkpoint`, `read_state`, `check_layout`, `check_compatible`,
+`load_trained_weights` and `changed_settings`.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import math
 import os
 import re
 import shutil
@@ -29,6 +34,7 @@ import time
 from contextlib import contextmanager
 
 import torch
+from safetensors import SafetensorError
 from safetensors.torch import load_file
 from transformers.trainer_utils import rotate_checkpoints
 from transformers.utils import is_peft_available
@@ -43,9 +49,8 @@ class CheckpointError(ValueError):
     """A checkpoint that cannot be written or must not be loaded; the message names the file and what to do."""
 
 
-def load_weights(module: torch.nn.Module, folder: str) -> None:
-    """Load a `save_pretrained` folder's weights into an existing module. Keys missing from the file must be tied
-    to a key that is present (e.g. tied embeddings); anything else is an error."""
+def read_weights(folder: str) -> dict[str, torch.Tensor]:
+    """A `save_pretrained` folder's weights (one file or the shards its index lists)."""
     index = os.path.join(folder, "model.safetensors.index.json")
     if os.path.exists(index):
         files = sorted(set(json.load(open(index))["weight_map"].values()))
@@ -57,14 +62,25 @@ def load_weights(module: torch.nn.Module, folder: str) -> None:
         if not os.path.exists(path):
             raise FileNotFoundError(f"{path} is missing: the checkpoint is incomplete or not a trl_ext checkpoint.")
         state.update(load_file(path))
-    result = module.load_state_dict(state, strict=False)
+    return state
+
+
+def check_loaded(module: torch.nn.Module, state: dict, result, folder: str) -> None:
+    """After `load_state_dict(state, strict=False)`: keys missing from the file must be tied to a key that is present
+    (e.g. tied embeddings); anything else is an error."""
     params = dict(module.named_parameters(remove_duplicate=False))
-    present = {params[k].data_ptr() for k in state if k in params}
-    untied_missing = [k for k in result.missing_keys if k not in params or params[k].data_ptr() not in present]
+    present = {id(params[k]) for k in state if k in params}
+    untied_missing = [k for k in result.missing_keys if k not in params or id(params[k]) not in present]
     if untied_missing or result.unexpected_keys:
         raise ValueError(f"Checkpoint {folder} does not match the model: missing {untied_missing[:5]}, unexpected "
                          f"{result.unexpected_keys[:5]}. Resume with the same model (and peft config) it was "
                          "saved from.")
+
+
+def load_weights(module: torch.nn.Module, folder: str) -> None:
+    """Load a `save_pretrained` folder's weights into an existing module."""
+    state = read_weights(folder)
+    check_loaded(module, state, module.load_state_dict(state, strict=False), folder)
 
 
 def load_adapter(peft_model, folder: str) -> None:
@@ -83,6 +99,9 @@ def load_adapter(peft_model, folder: str) -> None:
 
 def check_compatible(saved: dict, current: dict, checkpoint: str) -> None:
     """Refuse a checkpoint whose run settings differ from this run's (batch geometry, KL control, model shape)."""
+    if "batch_size" not in saved and "per_device_train_batch_size" in saved:  # recorded per process before 0.1.1
+        batch = saved["per_device_train_batch_size"] * saved["gradient_accumulation_steps"] * saved["world_size"]
+        saved = saved | {"batch_size": batch, "mini_batch_size": batch // saved["num_mini_batches"]}
     diffs = [f"{k}: checkpoint {saved.get(k)!r}, now {v!r}" for k, v in current.items() if saved.get(k) != v]
     if diffs:
         raise ValueError(f"Cannot resume from {checkpoint}: it was saved with different settings ("
@@ -96,15 +115,21 @@ def _numel(param: torch.Tensor) -> int:
 
 
 def run_settings(args, wrapper, num_prompts: int, is_peft: bool, shared: bool) -> dict:
-    """What a resumed run must share with the run that saved the checkpoint."""
+    """What a resumed run must share with the run that saved the checkpoint: the global batch and minibatch, not how
+    they are split over processes and micro-batches (`check_layout` decides whether the process count may change)."""
     return {
-        "world_size": args.world_size, "per_device_train_batch_size": args.per_device_train_batch_size,
-        "gradient_accumulation_steps": args.gradient_accumulation_steps, "num_mini_batches": args.num_mini_batches,
-        "num_ppo_epochs": args.num_ppo_epochs, "response_length": args.response_length, "seed": args.seed,
+        "batch_size": args.batch_size, "mini_batch_size": args.mini_batch_size,
+        "num_mini_batches": args.num_mini_batches, "num_ppo_epochs": args.num_ppo_epochs,
+        "response_length": args.response_length, "seed": args.seed,
         "num_prompts": num_prompts, "kl_controller": args.kl_controller, "peft": is_peft,
         "policy_trainable_parameters": sum(_numel(p) for p in wrapper.policy_parameters() if p.requires_grad),
         "value_parameters": sum(_numel(p) for p in wrapper.value_parameters()),
     } | ({"shared_base": True} if shared else {})
+
+
+# How a failed write shows: OSError (open, json), torch's RuntimeError for a full disk ("[enforce fail at
+# inline_container.cc] unexpected pos") and safetensors' SafetensorError ("I/O error: No space left on device").
+WRITE_ERRORS = (OSError, RuntimeError, SafetensorError)
 
 
 @contextmanager
@@ -132,9 +157,8 @@ def staged(run_dir: str, step: int, backend, save_total_limit: int | None):
     if float(failed):
         if main:
             shutil.rmtree(staging, ignore_errors=True)
-        if error is not None and not isinstance(error, (OSError, RuntimeError)):
+        if error is not None and not isinstance(error, WRITE_ERRORS):
             raise error
-        # torch reports a full disk as a RuntimeError ("[enforce fail at inline_container.cc] unexpected pos")
         raise CheckpointError(write_failure(run_dir, staging, error)) from error
     if main:
         aside = final + ".replaced"
@@ -196,15 +220,61 @@ def required_files(world_size: int, engine_saves_optimizer: bool) -> list[str]:
     return ["trainer_state.json", "scheduler.pt", *rng] + ([] if engine_saves_optimizer else ["optimizer.pt"])
 
 
-def verify(checkpoint: str, required: list[str]) -> str | None:
-    """None if `checkpoint` is whole and undamaged; else what is wrong, naming the file."""
+def layout_record(world_size: int, engine: dict, per_process: str | None) -> dict:
+    """How the processes that write a checkpoint hold its state, kept in it (`processes`): their number, the engine
+    (`Backend.checkpoint_engine`: its name, the family of files it writes), why the state is split per process (None:
+    whole, any number of processes can resume it) and the files a resume reads by name."""
+    return {"world_size": world_size, "engine": engine["name"], "files": engine["files"], "per_process": per_process,
+            "required": required_files(world_size, engine["files"] != "whole")}
+
+
+def saved_layout(state: dict) -> dict:
+    """A checkpoint's `layout_record`; for one written before trl_ext kept it, what its settings tell (the engine
+    unknown: it resumes on as many processes only)."""
+    if "processes" in state:
+        return state["processes"]
+    world_size = state.get("settings", {}).get("world_size", 1)
+    return {"world_size": world_size, "engine": None, "files": None, "required": required_files(world_size, True),
+            "per_process": "it was written by a trl_ext that did not record how its state is split"}
+
+
+def readable(saved_files: str, current_files: str) -> bool:
+    """Whether an engine writing `current_files` reads a checkpoint of `saved_files`: its own, or whole files (a plain
+    process's or DDP's, FSDP2's FULL_STATE_DICT) under one process, DDP or FSDP2 (`Backend.load_whole_files`)."""
+    whole = ("whole", "fsdp2-full")
+    return saved_files == current_files or (saved_files in whole and current_files in (*whole, "fsdp2-sharded"))
+
+
+def check_layout(saved: dict, current: dict, checkpoint: str) -> bool:
+    """Refuse, before anything loads, a checkpoint this run's processes cannot read: its state split over another
+    number of processes (ZeRO, FSDP2's sharded state dicts, async_rollouts' draws), or another engine's files.
+    True where the process count changed (the state is whole: each process re-derives its random streams)."""
+    before, now = saved["world_size"], current["world_size"]
+    if before != now and saved["per_process"]:
+        raise CheckpointError(
+            f"Cannot resume from {checkpoint} on {now} process(es): world_size is {now} now and was {before} when "
+            f"it was saved under {saved['engine'] or 'an unrecorded engine'}, and {saved['per_process']}. Resume "
+            f"with {before} processes (accelerate launch --num_processes {before}) and the same global batch, or "
+            "start a new run in another output_dir.")
+    if saved["files"] is not None and not readable(saved["files"], current["files"]):
+        raise CheckpointError(
+            f"Cannot resume from {checkpoint} under {current['engine']}: it was saved under {saved['engine']}, whose "
+            f"files {current['engine']} does not read. Resume under {saved['engine']} (its accelerate config), or "
+            "start a new run in another output_dir.")
+    return before != now
+
+
+def verify(checkpoint: str) -> str | None:
+    """None if `checkpoint` is whole and undamaged; else what is wrong, naming the file. What it must hold comes from
+    its own record (`saved_layout`), not from the run that reads it."""
     state_file = os.path.join(checkpoint, TRL_EXT_STATE)
     if not os.path.isfile(state_file):
         return f"{state_file} is missing: not a complete trl_ext checkpoint"
     try:
         with open(state_file) as f:
-            files = json.load(f).get("files")
-    except (OSError, ValueError) as e:
+            state = json.load(f)
+        required, files = saved_layout(state)["required"], state.get("files")
+    except (OSError, ValueError, AttributeError, KeyError, TypeError) as e:
         return f"{state_file} is unreadable ({e})"
     for name in required:
         if not os.path.isfile(os.path.join(checkpoint, name)):
@@ -231,12 +301,12 @@ def checkpoints_newest_first(output_dir: str) -> list[str]:
     return [os.path.join(output_dir, name) for _, name in sorted(steps, reverse=True)]
 
 
-def choose_checkpoint(resume_from_checkpoint: str | bool, output_dir: str, required: list[str]) -> tuple[str, list]:
+def choose_checkpoint(resume_from_checkpoint: str | bool, output_dir: str) -> tuple[str, list]:
     """(the checkpoint folder to resume from, [(skipped folder, why)]): the one given, verified; or with True the
     newest intact `checkpoint-N` in `output_dir`. A damaged one given, or none intact, is a `CheckpointError`."""
     if resume_from_checkpoint is not True:
         checkpoint = str(resume_from_checkpoint)
-        problem = verify(checkpoint, required)
+        problem = verify(checkpoint)
         if problem:
             raise CheckpointError(f"Cannot resume from {checkpoint}: {problem}. Resume from an earlier checkpoint "
                                   f"(or resume_from_checkpoint=True: the newest intact one in {output_dir}).")
@@ -247,7 +317,7 @@ def choose_checkpoint(resume_from_checkpoint: str | bool, output_dir: str, requi
                               "pass a checkpoint path or train without resuming.")
     skipped = []
     for checkpoint in candidates:
-        problem = verify(checkpoint, required)
+        problem = verify(checkpoint)
         if problem is None:
             return checkpoint, skipped
         skipped.append((checkpoint, problem))
@@ -255,15 +325,16 @@ def choose_checkpoint(resume_from_checkpoint: str | bool, output_dir: str, requi
                           + "; ".join(f"{c}: {p}" for c, p in skipped) + ". Start a new run.")
 
 
-def abandon_later(output_dir: str, checkpoint: str) -> list[str]:
-    """Move the checkpoints of `output_dir` later than `checkpoint` (a resume from an older one gives them up) into
-    `output_dir/abandoned/`; returns where they went. Only checkpoints inside `output_dir` are timeline members."""
-    if os.path.dirname(os.path.abspath(checkpoint)) != os.path.abspath(output_dir):
-        return []
-    step = int(CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(checkpoint))).group(1))
+def step_of(checkpoint: str) -> int:
+    return int(CHECKPOINT_NAME.match(os.path.basename(os.path.normpath(checkpoint))).group(1))
+
+
+def abandon_after(output_dir: str, step: int) -> list[str]:
+    """Move the checkpoints of `output_dir` later than `step` into `output_dir/abandoned/checkpoint-N-<time>`: a
+    resume from an older one gives them up, and a new run (step -1) every one; returns where they went."""
     moved = []
     for later in checkpoints_newest_first(output_dir):
-        if int(CHECKPOINT_NAME.match(os.path.basename(later)).group(1)) <= step:
+        if step_of(later) <= step:
             break
         target = os.path.join(output_dir, ABANDONED_DIR, f"{os.path.basename(later)}-{time.strftime('%Y%m%d-%H%M%S')}")
         os.makedirs(os.path.dirname(target), exist_ok=True)
@@ -274,13 +345,71 @@ def abandon_later(output_dir: str, checkpoint: str) -> list[str]:
     return moved
 
 
-def write_state(folder: str, kl_controller, reward_normalizer, settings: dict, grad_scaler=None,
+def in_folder(checkpoint: str, output_dir: str) -> bool:
+    """Whether `checkpoint` is one of `output_dir`'s timeline (a checkpoint elsewhere gives up none of it)."""
+    return os.path.dirname(os.path.abspath(checkpoint)) == os.path.abspath(output_dir)
+
+
+class WeightGrowth:
+    """The norm of the policy's trained weights from one iteration to the next. The first iteration that grows it
+    more than `LIMIT`-fold, or makes it non-finite, is where a blow-up began: Adam moves each weight by about the
+    learning rate per step, so a healthy iteration changes the norm by a few percent at most, and one that doubles
+    it was taken with a learning rate of the weights' own size. Checkpoints saved before that iteration hold weights
+    a lower learning rate recovers from; later ones may be finite and still useless (`recovery_advice`)."""
+
+    LIMIT = 2.0
+
+    def __init__(self):
+        self.norm: float | None = None  # at the last iteration observed
+        self.began: int | None = None  # the iteration the blow-up began at
+        self.growth: float | None = None  # how many times the norm grew in it
+
+    def observe(self, step: int, norm: float) -> None:
+        """The norm after iteration `step` (or at the start of a run, before any)."""
+        if self.norm is not None and self.began is None:
+            growth = norm / self.norm if self.norm > 0 else (math.inf if norm > 0 else 1.0)
+            if not math.isfinite(norm) or growth > self.LIMIT:
+                self.began, self.growth = step, growth
+        self.norm = norm
+
+    def state_dict(self) -> dict:
+        return {"began": self.began, "growth": self.growth}
+
+    def load_state_dict(self, state: dict) -> None:
+        self.began, self.growth = state.get("began"), state.get("growth")
+
+
+def recovery_advice(output_dir: str, growth: WeightGrowth) -> str:
+    """What to do after the weights blew up: the newest checkpoint saved before the blow-up began, or plainly that
+    none is known and what to do instead."""
+    found = checkpoints_newest_first(output_dir)
+    if growth.began is None:
+        if not found:
+            return "No checkpoint exists: start again with a lower learning_rate."
+        return (f"{found[0]} is intact, and no iteration grew the policy's weights more than "
+                f"{WeightGrowth.LIMIT:g}-fold: resume from it with a lower learning_rate "
+                f"(train(resume_from_checkpoint={found[0]!r})).")
+    began = (f"The blow-up began at iteration {growth.began}: the policy's weights grew {growth.growth:.3g}-fold "
+             "in it")
+    before = [c for c in found if step_of(c) < growth.began]
+    after = [os.path.basename(c) for c in found if step_of(c) >= growth.began]
+    if after:
+        began += f" ({', '.join(reversed(after))} saved since: finite weights, but not ones to resume from)"
+    if before:
+        return (f"{began}. Resume from {before[0]}, saved before it, with a lower learning_rate: "
+                f"train(resume_from_checkpoint={before[0]!r}).")
+    return (f"{began}, and no checkpoint in {output_dir} was saved before it. Start a new run with a lower "
+            f"learning_rate (it moves this run's checkpoints aside, into {os.path.join(output_dir, ABANDONED_DIR)}).")
+
+
+def write_state(folder: str, kl_controller, reward_normalizer, settings: dict, processes: dict, grad_scaler=None,
                 config: dict | None = None, trainer: dict | None = None) -> None:
-    """trl_ext's own state: β's controller, the reward normalizer's statistics, the run's settings, the whole config
-    (`changed_settings`), the trainer's own flags (`trainer`: whether the critic warmup has ended) and, under fp16,
-    the GradScaler's loss scale and growth tracker (a resumed run scales as the straight one would)."""
+    """trl_ext's own state: β's controller, the reward normalizer's statistics, the run's settings, how its processes
+    hold the state (`layout_record`), the whole config (`changed_settings`), the trainer's own state (`trainer`:
+    whether the critic warmup has ended, `WeightGrowth`) and, under fp16, the GradScaler's loss scale and growth
+    tracker (a resumed run scales as the straight one would)."""
     state = {"kl_controller": kl_controller.state_dict(), "reward_normalizer": reward_normalizer.state_dict(),
-             "settings": settings, "config": config or {}, "trainer": trainer or {}}
+             "settings": settings, "processes": processes, "config": config or {}, "trainer": trainer or {}}
     if grad_scaler is not None:
         state["grad_scaler"] = grad_scaler.state_dict()
     with open(os.path.join(folder, TRL_EXT_STATE), "w") as f:
@@ -328,6 +457,32 @@ def load_trained_weights(wrapper, checkpoint: str, is_peft: bool, shared) -> Non
         load_adapter(wrapper.value_model, value_dir)
     else:
         load_weights(wrapper.value_model, value_dir)
+
+
+def whole_weights(checkpoint: str, is_peft: bool, saved_engine: str) -> dict[str, torch.Tensor]:
+    """A checkpoint's whole weights keyed by the policy-and-value wrapper's parameter names, for an engine that loads
+    them sharded (FSDP2: torch's `set_model_state_dict`) from another engine's checkpoint."""
+    if is_peft:  # its adapter is saved under peft's names, without the adapter's
+        raise CheckpointError(f"Cannot resume from {checkpoint} under FSDP2: it was saved under {saved_engine}, and "
+                              "a LoRA policy's adapter resumes under FSDP2 from FSDP2's own checkpoints only. Resume "
+                              f"under {saved_engine} (with any number of processes), or start a new run.")
+    return ({f"policy.{k}": v for k, v in read_weights(checkpoint).items()}
+            | {f"value_model.{k}": v for k, v in read_weights(os.path.join(checkpoint, VALUE_MODEL_DIR)).items()})
+
+
+def whole_optimizer_state(checkpoint: str, files: str, optimizer, wrapper: torch.nn.Module) -> dict:
+    """A checkpoint's whole optimizer state keyed by parameter names (torch's full optimizer state dict), from
+    another engine's files: FSDP2's FULL_STATE_DICT file as written, or the `optimizer.pt` of a plain process or DDP,
+    whose parameters are numbered across the param groups in order (the same model and settings give this run's
+    optimizer the same order)."""
+    if files == "fsdp2-full":
+        return torch.load(os.path.join(checkpoint, "optimizer.bin"), weights_only=True)
+    saved = torch.load(os.path.join(checkpoint, "optimizer.pt"), weights_only=True)
+    names = {id(p): n for n, p in wrapper.named_parameters()}
+    order = [names[id(p)] for group in optimizer.param_groups for p in group["params"]]
+    return {"state": {order[i]: state for i, state in saved["state"].items()},
+            "param_groups": [{**group, "params": [order[i] for i in group["params"]]}
+                             for group in saved["param_groups"]]}
 
 
 def _is_peft_model(model) -> bool:

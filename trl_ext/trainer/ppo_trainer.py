@@ -75,16 +75,21 @@ from .checkpoint import (
     CONFIG_OVER_STATE,
     VALUE_MODEL_DIR,
     CheckpointError,
-    abandon_later,
+    WeightGrowth,
+    abandon_after,
     changed_settings,
     check_compatible,
-    checkpoints_newest_first,
+    check_layout,
     choose_checkpoint,
+    in_folder,
+    layout_record,
     load_trained_weights,
     read_state,
-    required_files,
+    recovery_advice,
     run_settings,
+    saved_layout,
     staged,
+    step_of,
     write_state,
 )
 from .evaluation import Evaluator, dataset_columns
@@ -92,7 +97,7 @@ from .multi_turn import MultiTurn, RolloutFunction
 from .preemption import Preemption
 from .rollout import Rollout, RolloutPhase
 from .sampling import ResponseSampler, colocated_vllm, server_vllm
-from .seeds import extra_draw_seed, process_seed
+from .seeds import extra_draw_seed, process_seed, regrown_process_seed
 from .update import PPOUpdate, vf_coef_at
 
 if is_peft_available():
@@ -798,6 +803,7 @@ class PPOTrainer(PPOTrainerBase):
     def _init_state(self):
         args = self.args
         self.critic_warmup_ended = False  # critic_warmup_explained_variance reached (`_in_critic_warmup`)
+        self.weight_growth = WeightGrowth()  # where a blow-up of the policy's weights began (the advice after one)
         self.state.global_step = 0
         self.state.episode = 0
         self.state.max_steps = args.num_total_batches
@@ -814,6 +820,9 @@ class PPOTrainer(PPOTrainerBase):
         self._init_state()
         if resume_from_checkpoint:
             self._resume(resume_from_checkpoint)
+        else:
+            self._start_timeline()
+        self.weight_growth.observe(self.state.global_step, self.backend.policy_weights_norm())
         self.prompt_batches.start_batch = self.state.global_step  # iteration k uses global batch k
         batches = iter(self.dataloader)
         self.control = self.callback_handler.on_train_begin(args, self.state, self.control)
@@ -885,14 +894,14 @@ class PPOTrainer(PPOTrainerBase):
                                        dataset_columns(batch), drawn=None if drawn is None else
                                        (drawn.responses, drawn.response_mask, drawn.sampler_logprobs))
             except FloatingPointError as e:  # the sampler met NaN/inf probabilities
-                last = self._last_checkpoint()
-                raise FloatingPointError(
-                    f"Iteration {update}: {e} Likely cause: learning_rate={args.learning_rate:g} too high. "
-                    + (f"{last} holds finite weights: resume from it with a lower learning_rate." if last else
-                       "Start again with a lower learning_rate.")) from e
+                raise FloatingPointError(f"Iteration {update}: {e} Likely cause: learning_rate={args.learning_rate:g} "
+                                         f"too high. {recovery_advice(args.output_dir, self.weight_growth)}") from e
             # 8. PPO epochs (value model only during critic warmup)
             warmup = self._in_critic_warmup(rollout)
-            stats = self.ppo_update(rollout, critic_only=warmup)
+            try:
+                stats = self.ppo_update(rollout, critic_only=warmup)
+            except FloatingPointError as e:  # on_nonfinite: no finite step to take
+                raise FloatingPointError(f"{e} {recovery_advice(args.output_dir, self.weight_growth)}") from e
             if self.async_rollouts is not None:  # version global_step + 1 to the sampler, if a batch needs it
                 self.async_rollouts.publish(self.unwrapped.policy, self.state.global_step + 1)
             # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
@@ -905,6 +914,7 @@ class PPOTrainer(PPOTrainerBase):
             self.kl_ctl.update(mean_sequence_kl(rollout, self.backend.gather), args.batch_size)
             self.state.epoch = self.state.episode / self.episodes_per_epoch
             self.state.global_step += 1
+            self.weight_growth.observe(self.state.global_step, self.backend.policy_weights_norm())
             if self._should_evaluate():
                 metrics.update(self.evaluate_policy())
             self.log(metrics)
@@ -987,13 +997,11 @@ class PPOTrainer(PPOTrainerBase):
         rename), and the model card (`output_dir/README.md`), as TRL does."""
         main = self.accelerator.is_main_process
         if not self.backend.trained_weights_finite():  # on every process: a collective under several
-            last = self._last_checkpoint()
             raise CheckpointError(
                 f"checkpoint-{self.state.global_step} is not written: the trained weights or the optimizer's state "
                 "hold NaN/inf (with on_nonfinite the optimizer never steps on a non-finite gradient, so a step with "
                 f"finite gradients overflowed them: learning_rate={self.args.learning_rate:g} is likely too high). "
-                + (f"{last} is intact: resume from it with a lower learning_rate." if last else
-                   "No earlier checkpoint exists: start again with a lower learning_rate."))
+                + recovery_advice(self.args.output_dir, self.weight_growth))
         if main:
             self._write_model_card()
         with staged(self.args.output_dir, self.state.global_step, self.backend, self.args.save_total_limit) as folder:
@@ -1012,34 +1020,48 @@ class PPOTrainer(PPOTrainerBase):
                 for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
                     self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
                 self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
-                write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings(), self.accelerator.scaler,
-                            self.args.to_dict(), trainer={"critic_warmup_ended": self.critic_warmup_ended})
+                write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings(), self._layout(),
+                            self.accelerator.scaler, self.args.to_dict(),
+                            trainer={"critic_warmup_ended": self.critic_warmup_ended,
+                                     "weight_growth": self.weight_growth.state_dict()})
 
     def _resume(self, resume_from_checkpoint: str | bool) -> None:
         """Restore everything a PPO run carries from a checkpoint written by `_save_checkpoint`: the one given or the
-        newest intact one, its files verified (`_choose_checkpoint`); the config's changes applied or refused by
-        name (`_apply_changed_settings`)."""
+        newest intact one, its files verified (`_choose_checkpoint`), on as many processes as saved it or, where its
+        state is whole, on another number (`check_layout`; the random streams re-derived: `_reseed`); the config's
+        changes applied or refused by name (`_apply_changed_settings`)."""
         checkpoint = self._choose_checkpoint(resume_from_checkpoint)
-        saved = read_state(checkpoint)
+        saved, current = read_state(checkpoint), self._layout()
+        layout = saved_layout(saved)
+        regrown = check_layout(layout, current, checkpoint)  # before anything loads
         check_compatible(saved["settings"], self._run_settings(), checkpoint)
-        if not self.backend.load_engine_checkpoint(checkpoint):
-            load_trained_weights(self.unwrapped, checkpoint, self.is_peft_model, self.shared)
         fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.lr_scheduler.optimizer.param_groups]
-        if self.backend.fsdp:  # not strict: a checkpoint from the critic warmup holds no state for the policy
+        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
+        if layout["files"] not in (None, current["files"]):  # another engine's whole files (check_layout)
+            self.backend.load_whole_files(checkpoint, layout, self.optimizer, self.is_peft_model)
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
+        elif self.backend.fsdp:  # not strict: a checkpoint from the critic warmup holds no state for the policy
+            self.backend.load_engine_checkpoint(checkpoint)
             self.backend.load_fsdp2_optimizer(self.optimizer, checkpoint)
-            self.lr_scheduler.load_state_dict(torch.load(os.path.join(checkpoint, SCHEDULER_NAME), weights_only=True))
+            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
         else:
+            if not self.backend.load_engine_checkpoint(checkpoint):
+                load_trained_weights(self.unwrapped, checkpoint, self.is_peft_model, self.shared)
             self._load_optimizer_and_scheduler(checkpoint)
-        self._load_rng_state(checkpoint)
         self._resumed_draws = load_drawn(checkpoint, self.accelerator.process_index)  # async_rollouts' saved draws
         self.kl_ctl.load_state_dict(saved["kl_controller"])
         self.reward_normalizer.load_state_dict(saved["reward_normalizer"])
         self.critic_warmup_ended = saved.get("trainer", {}).get("critic_warmup_ended", False)
+        self.weight_growth.load_state_dict(saved.get("trainer", {}).get("weight_growth", {}))
         if self.accelerator.scaler is not None and "grad_scaler" in saved:  # fp16: the loss scale reached
             self.accelerator.scaler.load_state_dict(saved["grad_scaler"])
         restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
         for name in ("global_step", "episode", "epoch", "log_history", "total_flos"):
             setattr(self.state, name, getattr(restored, name))
+        if regrown:
+            self._reseed(checkpoint, layout["world_size"])
+        else:
+            self._load_rng_state(checkpoint)
         for cb in self.callback_handler.callbacks:  # e.g. the alarms' episode state
             saved_state = restored.stateful_callbacks.get(cb.__class__.__name__)
             if isinstance(cb, ExportableState) and isinstance(saved_state, dict) and hasattr(cb, "load_state"):
@@ -1052,15 +1074,14 @@ class PPOTrainer(PPOTrainerBase):
         `output_dir/abandoned/`."""
         from accelerate.utils import broadcast_object_list
 
-        backend, output_dir = self.backend, self.args.output_dir
-        required = required_files(self.accelerator.num_processes, backend.deepspeed or backend.fsdp)
+        output_dir = self.args.output_dir
         outcome = [None]
         if self.accelerator.is_main_process:
             try:
-                checkpoint, skipped = choose_checkpoint(resume_from_checkpoint, output_dir, required)
+                checkpoint, skipped = choose_checkpoint(resume_from_checkpoint, output_dir)
                 for folder, problem in skipped:
                     print(f"[trl_ext] not resuming from {folder}: {problem}")
-                moved = abandon_later(output_dir, checkpoint)
+                moved = abandon_after(output_dir, step_of(checkpoint)) if in_folder(checkpoint, output_dir) else []
                 if moved:
                     print(f"[trl_ext] resuming from {checkpoint}: the later checkpoints (of the run given up, or "
                           f"damaged) are moved aside, to {', '.join(moved)}")
@@ -1107,9 +1128,33 @@ class PPOTrainer(PPOTrainerBase):
             print(f"[trl_ext] resuming from {checkpoint} with changed settings, which apply from here on: "
                   + "; ".join(lines))
 
-    def _last_checkpoint(self) -> str | None:
-        found = checkpoints_newest_first(self.args.output_dir)
-        return found[0] if found else None
+    def _start_timeline(self) -> None:
+        """A run that does not resume starts the timeline of `output_dir` afresh: the checkpoints there (an earlier
+        run's) move into `output_dir/abandoned/`, so `resume_from_checkpoint=True` later continues this run."""
+        if self.accelerator.is_main_process:
+            moved = abandon_after(self.args.output_dir, -1)
+            if moved:
+                print(f"[trl_ext] a new run in {self.args.output_dir} (not resumed): the checkpoints there, of an "
+                      f"earlier run, are moved aside, to {', '.join(moved)}. To continue that run instead, "
+                      "resume from one of them.")
+        self.backend.barrier()
+
+    def _layout(self) -> dict:
+        """How this run's processes hold a checkpoint's state (`checkpoint.layout_record`)."""
+        engine = self.backend.checkpoint_engine()
+        per_process = engine["per_process"]
+        if self.args.async_rollouts and per_process is None:
+            per_process = "async_rollouts saved each process's own draws"
+        return layout_record(self.accelerator.num_processes, engine, per_process)
+
+    def _reseed(self, checkpoint: str, saved_processes: int) -> None:
+        """A resume on another number of processes: each process's random streams (python, numpy, torch: the
+        minibatch order) re-derived from (seed, process, step), as the saved ones belong to other processes."""
+        set_seed(regrown_process_seed(self.args.seed, self.accelerator.process_index, self.state.global_step))
+        if self.accelerator.is_main_process:
+            print(f"[trl_ext] resuming from {checkpoint}, saved by {saved_processes} process(es), on "
+                  f"{self.accelerator.num_processes}: the same global batch of the same prompts goes on; each "
+                  "process's random streams are re-derived from (seed, process, step) (docs/checkpoints.md).")
 
     # ------------------------------------------------------------------------------------------------ evaluation
     @property

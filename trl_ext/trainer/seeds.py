@@ -8,11 +8,18 @@ VLLM_REQUEST = 1_000_003  # from a stream's seed to vLLM's per-request seeds
 VLLM_STEP = 10_007  # between the rollouts of different iterations
 EXTRA_DRAW = 1_009  # between the prompt draws of one rollout (dynamic sampling)
 DRAW = 1_000_000_007  # between the response draws of one rollout (dynamic sampling)
+REGROWN_STEP = 104_729  # between the iterations a run resumed on another number of processes restarts at
 
 
 def process_seed(seed: int, process_index: int) -> int:
     """The seed of one process's sampling (torch's global RNG in the rollouts)."""
     return seed + PROCESS * process_index
+
+
+def regrown_process_seed(seed: int, process_index: int, step: int) -> int:
+    """One process's global random streams in a run resumed at iteration `step` on another number of processes than
+    saved the checkpoint (the saved streams belong to other processes)."""
+    return process_seed(seed, process_index) + REGROWN_STEP * (step + 1)
 
 
 def eval_seed(seed: int, process_index: int, step: int, batch_index: int) -> int:

@@ -158,7 +158,7 @@ class NonfiniteGuard:
                 f"Non-finite update ({what}) at iteration {step + 1}; {why}. Likely causes: learning_rate="
                 f"{self.args.learning_rate:g} too high (the weights overflowed), or rewards out of range (this "
                 f"rollout's largest |score| is {scores:.4g}: clip or normalize them, reward_clip / reward_norm). No "
-                "non-finite step was taken and none is saved: resume from the last checkpoint with the cause fixed.")
+                "non-finite step was taken and none is saved.")
         return True
 
 
