@@ -190,6 +190,13 @@ def test_each_engine_runs_as_its_config_says(launched):
         assert result["sharded"] == holding, name
 
 
+# Two processes sum the gradient in another order than one (float noise ~1e-7). Adam divides by sqrt(v): on a coordinate
+# whose gradient is near zero that noise becomes a visible step (one weight in 23,337 moved 1.5e-5 apart after 3
+# iterations, CI 2026-12-06). A real mismatch (another row, another sample, a lost clip) moves weights by the learning
+# rate's scale (3e-3 per step here), 30x this bound.
+WEIGHT_ATOL = 1e-4
+
+
 def _matched(results, one_process, run, tmp_path, engine):
     two, one = results[run], one_process[run]
     assert one["world_size"] == 1 and two["global_step"] == one["global_step"] == ddp_runs.MATCHED_STEPS
@@ -203,7 +210,7 @@ def _matched(results, one_process, run, tmp_path, engine):
     for part in ("policy", "value"):
         moved = (one[part] - initial_roles[part]).abs().max().item()
         assert moved > 1e-3, f"the {part} barely trained ({moved:.2e}); the comparison would be empty"
-        torch.testing.assert_close(two[part], one[part], rtol=0, atol=1e-5, msg=f"{engine}: {part} weights differ")
+        torch.testing.assert_close(two[part], one[part], rtol=0, atol=WEIGHT_ATOL, msg=f"{engine}: {part} weights differ")
 
     assert len(two["logs"]) == len(one["logs"]) == ddp_runs.MATCHED_STEPS
     if run != "shared_matched":
