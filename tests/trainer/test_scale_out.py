@@ -210,7 +210,8 @@ def _matched(results, one_process, run, tmp_path, engine):
     for part in ("policy", "value"):
         moved = (one[part] - initial_roles[part]).abs().max().item()
         assert moved > 1e-3, f"the {part} barely trained ({moved:.2e}); the comparison would be empty"
-        torch.testing.assert_close(two[part], one[part], rtol=0, atol=WEIGHT_ATOL, msg=f"{engine}: {part} weights differ")
+        torch.testing.assert_close(two[part], one[part], rtol=0, atol=WEIGHT_ATOL,
+                                   msg=f"{engine}: {part} weights differ")
 
     assert len(two["logs"]) == len(one["logs"]) == ddp_runs.MATCHED_STEPS
     if run != "shared_matched":
