@@ -9,7 +9,7 @@ start without loading trl.
 __version__ = "0.1.0"
 __all__ = ["PPOConfig", "PPOTrainer", "Rollout", "SIMPLE_CHAT_TEMPLATE", "__version__", "get_kbit_device_map"]
 
-_LAZY = {"PPOConfig": ".config", "PPOTrainer": ".trainer.ppo_trainer", "Rollout": ".trainer.rollout",
+_LAZY = {"PPOConfig": ".config", "PPOTrainer": ".trainer.ppo_trainer", "Rollout": ".core.types",
          # helpers TRL removed that PPO scripts import (docs/versions.md, the porting guide)
          "SIMPLE_CHAT_TEMPLATE": ".compat", "get_kbit_device_map": ".compat"}
 

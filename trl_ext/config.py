@@ -29,7 +29,6 @@ from .core import (
     SCALE_REWARDS,
     VALUE_LOSS_TYPES,
 )
-from .trainer.allocator import glibc
 
 # TRL's GRPO loss_type values trl_ext has -> the loss aggregation each implies
 LOSS_TYPES = {"dapo": "token-mean", "grpo": "seq-mean-token-mean", "dr_grpo": "seq-mean-token-sum-norm",
@@ -572,10 +571,8 @@ class PPOConfig(PPOConfigBase):
             group()
 
     def _check_choices(self) -> None:
-        """trl_ext's own choices: the allocator, where π_old comes from, the KL estimator, the stop token."""
-        _check(self.cpu_reuse_freed_memory is not True or glibc() is not None,
-               "cpu_reuse_freed_memory=True sets glibc's malloc options, but this C library is not glibc: drop the "
-               "setting (or preload jemalloc/tcmalloc, which keep freed memory themselves).")
+        """trl_ext's own choices: where π_old comes from, the KL estimator, the stop token (the allocator is the
+        machine's: `PPOTrainer._setup_allocator` checks it)."""
         _check(self.rollout_logprobs in ROLLOUT_LOGPROBS,
                f"rollout_logprobs={self.rollout_logprobs!r} is not one of {ROLLOUT_LOGPROBS}; pick one of them.")
         _check(not (self.rollout_logprobs == "sampler" and self.vllm_importance_sampling_correction),

@@ -9,7 +9,8 @@ import torch
 
 from trl_ext import PPOConfig, PPOTrainer, Rollout
 from trl_ext.core import explained_variance
-from trl_ext.monitoring.diagnostics import TOKEN_STATS, UpdateStats, rollout_metrics, update_metrics
+from trl_ext.core.types import TOKEN_STATS, UpdateStats
+from trl_ext.monitoring.diagnostics import rollout_metrics, update_metrics
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 EOS = 1

@@ -121,7 +121,8 @@ def test_blocks_up_to_the_largest_parameter_are_kept():
 
 
 def test_asking_for_it_without_glibc_is_an_error(tmp_path, monkeypatch):
-    monkeypatch.setattr("trl_ext.config.glibc", lambda: None)
+    for module in ("trl_ext.trainer.ppo_trainer", "trl_ext.trainer.allocator"):  # the check, and keep_freed_memory
+        monkeypatch.setattr(f"{module}.glibc", lambda: None)
     with pytest.raises(ValueError, match="cpu_reuse_freed_memory=True.*not glibc"):
-        PPOConfig(output_dir=str(tmp_path), cpu_reuse_freed_memory=True, bf16=False)
-    PPOConfig(output_dir=str(tmp_path), bf16=False)  # unset: no error, the trainer just leaves malloc alone
+        tiny_trainer(tmp_path / "a", cpu_reuse_freed_memory=True)
+    assert not tiny_trainer(tmp_path / "b").reuses_freed_memory  # unset: no error, the trainer leaves malloc alone

@@ -16,7 +16,7 @@ from collections.abc import Callable
 import torch
 
 from ..core import estimate_kl, last_true_index
-from ..trainer.rollout import Rollout
+from ..core.types import Rollout, UpdateStats
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # (B, k) on each process -> (B·processes, k)
 WALL_CLOCK_KEYS = ("eps", "perf/tokens_per_second", "perf/rollout_wait_s",  # metrics of time: a repeated run
@@ -165,51 +165,6 @@ def sampler_metrics(sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, mask
     rows = gather(torch.stack([n, diff.sum(), top])[None])  # (processes, 3)
     return {"rollout/sampler_logprob_diff_max": rows[:, 2].max().item(),
             "rollout/sampler_logprob_diff_mean": (rows[:, 1].sum() / rows[:, 0].sum().clamp(min=1)).item()}
-
-
-# the token statistics of the update: logged key -> the stat's name in `UpdateStats.add`
-TOKEN_STATS = ("policy/approxkl_avg", "policy/clipfrac_avg", "loss/policy_avg", "loss/value_avg", "val/clipfrac_avg",
-               "policy/entropy_avg", "val/ratio", "policy/clipfrac_low_avg", "policy/clipfrac_high_avg")
-DUAL_CLIP_STATS = ("policy/clipfrac_dual_avg",)  # with clip_ratio_c
-OFF_POLICY_MASK_STATS = ("policy/off_policy_masked_frac",)  # with off_policy_mask_threshold: tokens masked
-KL_LOSS_STATS = ("policy/kl_loss_avg",)  # with beta: the KL loss term's per-token estimate
-
-
-class UpdateStats:
-    """What one `PPOTrainer.ppo_update` records on this process; `update_metrics` reduces it over processes.
-
-    Token statistics (losses, clip fractions, approx-KL, entropy, ratio) are kept as sums over real tokens, so
-    their logged value is a token mean over every micro-batch of the update on every process (the same for any
-    gradient accumulation and process count, like the loss itself). Per optimizer step: the grad norms."""
-
-    def __init__(self, keys: tuple[str, ...] = TOKEN_STATS):
-        self.keys = keys  # the token statistics recorded: TOKEN_STATS, maybe + DUAL_CLIP_STATS
-        self.token_sums: list[torch.Tensor] = []  # per micro-batch: (len(TOKEN_STATS),) Σ over its real tokens
-        self.num_tokens: list[torch.Tensor] = []  # per micro-batch: its real tokens
-        self.first_minibatch: list[torch.Tensor] = []  # per micro-batch of the first minibatch: (Σ ratio, tokens)
-        self.micro_batch_ratios: list[torch.Tensor] = []  # per micro-batch: its mean ratio (for val/ratio_var)
-        self.steps: dict[str, list[float]] = {}  # per optimizer step, e.g. "policy/grad_norm"
-        self.skipped_steps = 0  # optimizer steps skipped for a non-finite loss or gradient norm (the same everywhere)
-        self.step_tokens: list[torch.Tensor] = []  # per optimizer step: the real tokens this process ran for it
-        # rollout_logprobs="sampler": per micro-batch of the first minibatch, (sampler, trainer) log-probs and mask
-        self.sampler_rows: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []
-
-    def add(self, num_tokens: torch.Tensor, first_minibatch: bool, **means: torch.Tensor) -> None:
-        """One micro-batch: its real-token count and its token means, by the names in `keys`."""
-        row = torch.stack([means[key].detach().float() for key in self.keys]) * num_tokens
-        self.token_sums.append(row)
-        self.num_tokens.append(num_tokens.float())
-        self.micro_batch_ratios.append(means["val/ratio"].detach().float())
-        if first_minibatch:
-            self.first_minibatch.append(torch.stack([row[self.keys.index("val/ratio")], num_tokens.float()]))
-
-    def add_sampler_rows(self, sampler_logprobs: torch.Tensor, logprobs: torch.Tensor, mask: torch.Tensor) -> None:
-        """A first-minibatch micro-batch whose π_old is the sampler's: the trainer's log-probs of it before any
-        optimizer step, for `rollout/sampler_logprob_diff_*` (`sampler_metrics`)."""
-        self.sampler_rows.append((sampler_logprobs.detach(), logprobs.detach(), mask))
-
-    def add_step(self, key: str, value: float) -> None:
-        self.steps.setdefault(key, []).append(float(value))
 
 
 def update_metrics(u: UpdateStats, sum_over_processes: Gather = _identity, gather: Gather = _identity) -> dict:

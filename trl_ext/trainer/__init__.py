@@ -1,7 +1,7 @@
 """`PPOTrainer` and its phases, one file each:
 
     ppo_trainer.py   PPOTrainer: the set-up steps, train() (rollout -> update -> metrics), saving, evaluation calls
-    rollout.py       steps 1-7 (generate, score, rewards, advantages) and the `Rollout` they produce
+    rollout.py       steps 1-7 (generate, score, rewards, advantages): a `Rollout` (`core/types.py`)
     update.py        step 8: PPO epochs over minibatches of micro-batches, the loss terms
     sampling.py      every draw of responses: the rollout's, evaluation's and the samples' (HF generate or vLLM)
     async_rollouts.py  async_rollouts: the sampler's thread, the version schedule, the hand-over to the trainer
@@ -14,7 +14,7 @@
 Imported on first use, so `trl_ext.trainer.seeds` (say) loads without trl.
 """
 
-_LAZY = {"PPOTrainer": ".ppo_trainer", "Rollout": ".rollout"}
+_LAZY = {"PPOTrainer": ".ppo_trainer", "Rollout": "..core.types"}
 
 
 def __getattr__(name):

@@ -34,6 +34,7 @@ from transformers.utils import is_peft_available
 from .._trl import OnlineTrainerState, PPOTrainerBase
 from ..config import PPOConfig
 from ..core import make_kl_controller
+from ..core.types import Rollout, UpdateStats
 from ..data.batches import PromptBatches
 from ..data.prompts import LeftPaddingCollator, prepare_prompts
 from ..models import (
@@ -58,7 +59,6 @@ from ..models import (
 from ..monitoring.alarms import AlarmCallback, profile_thresholds
 from ..monitoring.callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
 from ..monitoring.diagnostics import (
-    UpdateStats,
     mean_sequence_kl,
     rollout_metrics,
     source_metrics,
@@ -68,7 +68,7 @@ from ..monitoring.diagnostics import (
 from ..monitoring.phases import Phases
 from ..monitoring.progress import PPOProgress
 from ..rewards import RewardNormalizer, RewardScorer, has_score_head
-from .allocator import allocator_chosen_by_user, keep_freed_memory, largest_trained_block
+from .allocator import allocator_chosen_by_user, glibc, keep_freed_memory, largest_trained_block
 from .async_rollouts import AsyncRollouts, ServerSampler, ThreadSampler, load_drawn, save_drawn
 from .backend import Backend, Reference, reference_copy
 from .checkpoint import (
@@ -95,7 +95,7 @@ from .checkpoint import (
 from .evaluation import Evaluator, dataset_columns
 from .multi_turn import MultiTurn, RolloutFunction
 from .preemption import Preemption
-from .rollout import Rollout, RolloutPhase
+from .rollout import RolloutPhase
 from .sampling import ResponseSampler, colocated_vllm, server_vllm
 from .seeds import extra_draw_seed, process_seed, regrown_process_seed
 from .update import PPOUpdate, vf_coef_at
@@ -483,6 +483,10 @@ class PPOTrainer(PPOTrainerBase):
         """cpu_reuse_freed_memory: glibc's malloc keeps freed blocks up to the largest trained parameter's size
         (trl_ext/trainer/allocator.py); whether it does now."""
         setting = self.args.cpu_reuse_freed_memory
+        if setting is True and glibc() is None:
+            raise ValueError("cpu_reuse_freed_memory=True sets glibc's malloc options, but this C library is not "
+                             "glibc: drop the setting (or preload jemalloc/tcmalloc, which keep freed memory "
+                             "themselves).")
         if setting is False:
             return False
         if setting is None and (self.accelerator.device.type != "cpu" or allocator_chosen_by_user()):

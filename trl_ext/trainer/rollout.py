@@ -15,7 +15,7 @@ Shapes: B = rollouts in the batch, Q = query length (left-padded), T = response 
 from __future__ import annotations
 
 from contextlib import contextmanager
-from dataclasses import dataclass, fields
+from dataclasses import dataclass
 
 import torch
 
@@ -36,56 +36,8 @@ from ..core import (
     token_logprobs,
     top_entropy_mask,
 )
+from ..core.types import Rollout
 from ..models import LOGPROB_CHUNK, Packing, sequence_inputs
-
-
-@dataclass
-class Rollout:
-    queries: torch.Tensor  # (B, Q) prompt ids, left-padded
-    query_mask: torch.Tensor  # (B, Q) bool, True = real prompt token (the collator's attention mask)
-    responses: torch.Tensor  # (B, T) sampled ids; positions after the stop token hold padding
-    response_mask: torch.Tensor  # (B, T) bool, True = real response token (up to and including the stop token)
-    logprobs: torch.Tensor  # (B, T) log π_θ_old(token), from the same forward pass the loss uses
-    ref_logprobs: torch.Tensor  # (B, T) log π_ref(token)
-    values: torch.Tensor  # (B, T) V(state before each token); 0 outside the mask
-    scores: torch.Tensor  # (B,) reward-model / reward-function score (after missing_eos_penalty)
-    kl: torch.Tensor  # (B, T) per-token KL estimate used in the penalty; 0 outside the mask
-    rewards: torch.Tensor  # (B, T) −β·kl on every real token + score on the last real token
-    advantages: torch.Tensor  # (B, T) GAE advantages, whitened over real tokens (what the loss uses)
-    returns: torch.Tensor  # (B, T) raw GAE advantages + values (the value target)
-    source_scores: torch.Tensor | None = None  # (B, S) raw score of each reward source (PPOTrainer.reward_scorer.names)
-    sampler_logprobs: torch.Tensor | None = None  # (B, T) the sampler's own log-probs of the tokens; 0 outside the mask
-    sampler_weights: torch.Tensor | None = None  # (B, T) π_old / π_sampler, truncated or masked (the policy loss's
-    # per-token weights when vllm_importance_sampling_correction is on; core.sampler_correction_weights); 0 outside
-    advantage_lam: torch.Tensor | None = None  # (B,) the policy's GAE λ of each rollout, with length_adaptive_alpha
-    trunk_hidden: torch.Tensor | None = None  # (B, Q+T, H) the output of the critic's frozen trunk, its lower
-    # layers (models.FrozenTrunk): the update runs only the layers above it
-    policy_mask: torch.Tensor | None = None  # (B, T) bool, the tokens of the policy loss when they are not the
-    # response mask's: mask_truncated_completions leaves the completions cut at response_length out
-    entropy_mask: torch.Tensor | None = None  # (B, T) bool, top_entropy_quantile: the tokens whose entropy under
-    # π_old is in the rollout's top quantile; the policy loss weighs the others 0 (its denominator unchanged)
-    context_mask: torch.Tensor | None = None  # (B, T) bool, multi-turn rollouts: every real token of the
-    # conversation, the model's and the tools' and environment's (what the models read); response_mask is then the
-    # model's tokens only, all that is trained on (trl_ext/trainer/multi_turn.py)
-    turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: the environment's per-turn rewards, each on the last
-    # token of its turn (already in `rewards`)
-
-    @property
-    def input_mask(self) -> torch.Tensor:
-        """(B, T) bool: the response positions the models read (the conversation's, or the response mask)."""
-        return self.response_mask if self.context_mask is None else self.context_mask
-
-    def __len__(self) -> int:
-        return self.queries.shape[0]
-
-    def __getitem__(self, idx) -> Rollout:
-        """Select rollouts (rows) by index tensor or slice: a minibatch."""
-        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
-                          for f in fields(self)})
-
-    def to(self, device) -> Rollout:
-        return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                          for f in fields(self)})
 
 
 def check_left_padded(query_mask: torch.Tensor) -> None:

@@ -33,17 +33,10 @@ from ..core import (
     token_logprobs,
     value_loss,
 )
+from ..core.types import DUAL_CLIP_STATS, KL_LOSS_STATS, OFF_POLICY_MASK_STATS, TOKEN_STATS, Rollout, UpdateStats
 from ..data.batches import balanced_partition
 from ..models import LOGPROB_CHUNK, Packing, model_input_ids, sequence_inputs
-from ..monitoring.diagnostics import (
-    DUAL_CLIP_STATS,
-    KL_LOSS_STATS,
-    OFF_POLICY_MASK_STATS,
-    TOKEN_STATS,
-    UpdateStats,
-)
 from .backend import Backend
-from .rollout import Rollout
 
 
 def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packing: Packing | None = None):
