@@ -20,6 +20,7 @@ from trl_ext import PPOConfig, PPOTrainer, Rollout
 from trl_ext.core import (
     LOSS_AGG_MODES,
     aggregate_loss,
+    cispo_loss,
     clipped_policy_loss,
     compute_gae,
     length_adaptive_lam,
@@ -96,7 +97,7 @@ def test_cispo_by_hand():
     capped above... the cap is on the ratio alone, as in MiniMax-M1 and TRL). Loss −Σ sg(w)·A·log π / 3, gradient
     −w·A / 3 per token (PPO's clip would give the first token no gradient)."""
     logp, old, adv, mask = _one_token_rows([2.0, 0.5, 2.0], [1.0, 1.0, -1.0])
-    loss, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, cliprange_high=0.28, objective="cispo")
+    loss, stats = cispo_loss(logp, old, adv, mask, 0.28)
     w = torch.tensor([1.28, 0.5, 1.28], dtype=torch.float64)
     expected = -(w * torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64) * torch.log(torch.tensor([2.0, 0.5, 2.0],
                                                                                               dtype=torch.float64)))
@@ -104,8 +105,8 @@ def test_cispo_by_hand():
     (grad,) = torch.autograd.grad(loss, logp)
     torch.testing.assert_close(grad[:, 0], -w * torch.tensor([1.0, 1.0, -1.0], dtype=torch.float64) / 3)
     assert stats["clipfrac"].item() == pytest.approx(1 / 3) == stats["clipfrac_high"].item()  # only A > 0, ρ > cap
-    with pytest.raises(ValueError, match="drop clip_ratio_c"):
-        clipped_policy_loss(logp, old, adv, mask, 0.2, clip_ratio_c=3.0, objective="cispo")
+    with pytest.raises(ValueError, match="loss_type='cispo' has none: drop it"):
+        PPOConfig(output_dir="unused", loss_type="cispo", clip_ratio_high=4.0, clip_ratio_c=3.0, bf16=False)
 
 
 def test_sequence_level_ratio_by_hand():
@@ -309,8 +310,7 @@ def test_policy_loss_equals_the_reference_loop(mode, eps_high, c, level):
 @pytest.mark.parametrize("level", ["token", "sequence"])
 def test_cispo_equals_the_reference_loop(mode, level):
     logp, old, adv, mask = _ragged(0)
-    loss, stats = clipped_policy_loss(logp, old, adv, mask, 0.2, cliprange_high=0.05, loss_agg_mode=mode,
-                                      importance_sampling_level=level, objective="cispo")
+    loss, stats = cispo_loss(logp, old, adv, mask, 0.05, loss_agg_mode=mode, importance_sampling_level=level)
     (grad,) = torch.autograd.grad(loss, logp)
     expected = reference_policy_loss(logp, old, adv, mask, 0.2, 0.05, None, mode, 6, level, objective="cispo")
     (expected_grad,) = torch.autograd.grad(expected, logp)

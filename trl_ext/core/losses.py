@@ -27,7 +27,6 @@ def token_mean(x: torch.Tensor, mask: torch.Tensor, num_tokens=None) -> torch.Te
 
 LOSS_AGG_MODES = ("token-mean", "token-sum", "seq-mean-token-sum", "seq-mean-token-mean", "seq-mean-token-sum-norm")
 IMPORTANCE_SAMPLING_LEVELS = ("token", "sequence")  # one ratio per token (PPO) or per sequence (GSPO)
-POLICY_OBJECTIVES = ("ppo", "cispo")  # PPO's clipped surrogate, or CISPO's clipped importance weights
 
 
 def loss_denominator(response_mask: torch.Tensor, mode: str = "token-mean",
@@ -171,95 +170,25 @@ def off_policy_sequence_mask(
         return (keep & response_mask).to(logprobs.dtype)
 
 
-def clipped_policy_loss(
-    logprobs: torch.Tensor,
-    old_logprobs: torch.Tensor,
-    advantages: torch.Tensor,
-    response_mask: torch.Tensor,
-    cliprange: float,
-    denominator=None,
-    weights: torch.Tensor | None = None,
-    cliprange_high: float | None = None,
-    clip_ratio_c: float | None = None,
-    loss_agg_mode: str = "token-mean",
-    importance_sampling_level: str = "token",
-    objective: str = "ppo",
-) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
-    """PPO-clip policy loss: aggregate of max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)), ρ = π_θ / π_old; with dual-clip,
-    min(that, −A·c) where A < 0. objective="cispo": −sg(min(ρ, 1+ε_high))·A·log π_θ instead.
-
-    # Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7 (negated: a loss to minimise)
-    # clip-higher: ε_high > ε_low (DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476): low-probability tokens
-    #   with A > 0 can grow further before the clip stops them
-    # dual-clip (Ye et al. 2020, https://arxiv.org/abs/1912.09729): for A < 0 the loss −A·ρ is bounded by −A·c,
-    #   so a huge ratio on a bad token cannot give an unbounded step (veRL clip_ratio_c)
-    # sequence level (GSPO, Zheng et al. 2025, https://arxiv.org/abs/2507.18071; TRL's importance_sampling_level):
-    #   one ratio per sequence, ρ_b = exp((1/|o_b|) Σ_t log(π_θ/π_old)), for every token of the row, clipped alike
-    # CISPO (MiniMax-M1, Chen et al. 2025, https://arxiv.org/abs/2506.13585, eq. 4; TRL's loss_type="cispo"): the
-    #   ratio, clipped above and detached, weighs the REINFORCE term: every token keeps its gradient A·∇log π_θ
-    #   (scaled by the weight), where PPO's clip zeroes it
-
-    Args:
-        logprobs: (B, T) log π_θ of the sampled tokens (with grad).
-        old_logprobs: (B, T) log π_old of the same tokens, from rollout time.
-        advantages: (B, T).
-        response_mask: (B, T) bool.
-        cliprange: ε_low > 0 (and ε_high unless `cliprange_high` is given).
-        denominator: the denominator of the aggregation (`aggregate_loss`); None: this batch's own.
-        weights: (B, T) per-token weights of the loss (`sampler_correction_weights`); None: all 1.
-        cliprange_high: ε_high > 0; None: ε_low.
-        clip_ratio_c: dual-clip bound c > 1; None: off.
-        loss_agg_mode: one of LOSS_AGG_MODES.
-        importance_sampling_level: "token" (PPO) or "sequence" (GSPO: the row's geometric-mean ratio).
-        objective: one of POLICY_OBJECTIVES: "ppo" or "cispo" (ε_low and dual-clip unused; "clipfrac" and
-            "clipfrac_high" count the tokens with A > 0 whose weight the cap lowered).
-
-    Returns:
-        loss: 0-dim, differentiable.
-        stats: detached 0-dim tensors: "loss" (this batch's own token mean of the per-token losses, whatever the
-            aggregation); "clipfrac" (fraction of real tokens where the clipped term is the active one), split into
-            "clipfrac_low" (A < 0, ρ < 1 − ε_low) and "clipfrac_high" (A > 0, ρ > 1 + ε_high); "clipfrac_dual" (A < 0,
-            ρ > c: the dual clip active); "approxkl" (k3 estimate of KL(π_old ‖ π_θ) from samples of π_old: with
-            log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ, http://joschu.net/blog/kl-approx.html; per token at
-            either level); "ratio_mean", "ratio_max", "ratio_min" over real tokens (of the ratio the loss uses).
-    """
-    if not cliprange > 0:
-        raise ValueError(f"cliprange={cliprange} must be > 0 (typical: 0.2)")
-    if cliprange_high is not None and not cliprange_high > 0:
-        raise ValueError(f"cliprange_high={cliprange_high} must be > 0 (DAPO: 0.28), or None for cliprange")
-    high = cliprange if cliprange_high is None else cliprange_high
-    if clip_ratio_c is not None and not clip_ratio_c > 1:
-        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (typical: 3.0), or None for no dual clip")
-    _check_agg_mode(loss_agg_mode)
+def _importance_ratio(logprobs, old_logprobs, advantages, response_mask, importance_sampling_level):
+    """-> (token log-ratio, the ratio the loss uses, advantages), each 0 on padding, so garbage there cannot reach the
+    loss or its gradient. Level "sequence" (GSPO): each row's mean log-ratio on each of its real tokens."""
     if importance_sampling_level not in IMPORTANCE_SAMPLING_LEVELS:
         raise ValueError(f"importance_sampling_level={importance_sampling_level!r} is not one of "
                          f"{IMPORTANCE_SAMPLING_LEVELS}")
-    if objective not in POLICY_OBJECTIVES:
-        raise ValueError(f"objective={objective!r} is not one of {POLICY_OBJECTIVES}")
-    if objective == "cispo" and clip_ratio_c is not None:
-        raise ValueError("the dual clip bounds PPO's clipped surrogate; CISPO's loss has none: drop clip_ratio_c")
     _check_same_shape(response_mask, logprobs=logprobs, old_logprobs=old_logprobs, advantages=advantages)
-    # padding gets log ρ = 0 and A = 0, so garbage there cannot reach the loss or its gradient
-    log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0)
-    advantages = torch.where(response_mask, advantages, 0)
-    token_log_ratio = log_ratio
-    if importance_sampling_level == "sequence":  # each row's mean log-ratio on each of its real tokens
+    token_log_ratio = torch.where(response_mask, logprobs - old_logprobs, 0)
+    log_ratio = token_log_ratio
+    if importance_sampling_level == "sequence":
         row_mean = log_ratio.sum(1, keepdim=True) / response_mask.sum(1, keepdim=True).clamp(min=1)
         log_ratio = torch.where(response_mask, row_mean.expand_as(log_ratio), 0)
-    ratio = torch.exp(log_ratio)
-    if objective == "cispo":
-        per_token = -advantages * torch.clamp(ratio, max=1.0 + high).detach() * torch.where(response_mask, logprobs, 0)
-        clipped = (ratio.detach() > 1.0 + high) & (advantages > 0)  # the cap lowered the weight
-    else:
-        pg_losses = -advantages * ratio
-        pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
-        per_token = torch.max(pg_losses, pg_losses2)
-        clipped = (pg_losses2 > pg_losses).detach()  # the clipped term is the active one
-    dual = torch.zeros_like(response_mask)
-    if clip_ratio_c is not None:
-        pg_losses3 = -advantages * clip_ratio_c
-        dual = (advantages < 0) & (per_token > pg_losses3)
-        per_token = torch.where(advantages < 0, torch.min(per_token, pg_losses3), per_token)
+    return token_log_ratio, torch.exp(log_ratio), torch.where(response_mask, advantages, 0)
+
+
+def _policy_objective(per_token, clipped, dual, token_log_ratio, ratio, advantages, response_mask, weights,
+                      loss_agg_mode, denominator) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """The per-token losses weighed and aggregated, and the statistics both objectives report."""
+    _check_agg_mode(loss_agg_mode)
     if weights is not None:
         _check_same_shape(response_mask, weights=weights)
         per_token = per_token * weights.detach()
@@ -282,6 +211,107 @@ def clipped_policy_loss(
             "ratio_min": ratio_d.masked_fill(~response_mask, float("inf")).min(),
         }
     return loss, stats
+
+
+def clipped_policy_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange: float,
+    denominator=None,
+    weights: torch.Tensor | None = None,
+    cliprange_high: float | None = None,
+    clip_ratio_c: float | None = None,
+    loss_agg_mode: str = "token-mean",
+    importance_sampling_level: str = "token",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """PPO-clip policy loss: aggregate of max(−A·ρ, −A·clip(ρ, 1−ε_low, 1+ε_high)), ρ = π_θ / π_old; with dual-clip,
+    min(that, −A·c) where A < 0.
+
+    # Schulman et al. 2017, https://arxiv.org/abs/1707.06347, eq. 7 (negated: a loss to minimise)
+    # clip-higher: ε_high > ε_low (DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476): low-probability tokens
+    #   with A > 0 can grow further before the clip stops them
+    # dual-clip (Ye et al. 2020, https://arxiv.org/abs/1912.09729): for A < 0 the loss −A·ρ is bounded by −A·c,
+    #   so a huge ratio on a bad token cannot give an unbounded step (veRL clip_ratio_c)
+    # sequence level (GSPO, Zheng et al. 2025, https://arxiv.org/abs/2507.18071; TRL's importance_sampling_level):
+    #   one ratio per sequence, ρ_b = exp((1/|o_b|) Σ_t log(π_θ/π_old)), for every token of the row, clipped alike
+
+    Args:
+        logprobs: (B, T) log π_θ of the sampled tokens (with grad).
+        old_logprobs: (B, T) log π_old of the same tokens, from rollout time.
+        advantages: (B, T).
+        response_mask: (B, T) bool.
+        cliprange: ε_low > 0 (and ε_high unless `cliprange_high` is given).
+        denominator: the denominator of the aggregation (`aggregate_loss`); None: this batch's own.
+        weights: (B, T) per-token weights of the loss (`sampler_correction_weights`); None: all 1.
+        cliprange_high: ε_high > 0; None: ε_low.
+        clip_ratio_c: dual-clip bound c > 1; None: off.
+        loss_agg_mode: one of LOSS_AGG_MODES.
+        importance_sampling_level: "token" (PPO) or "sequence" (GSPO: the row's geometric-mean ratio).
+
+    Returns:
+        loss: 0-dim, differentiable.
+        stats: detached 0-dim tensors: "loss" (this batch's own token mean of the per-token losses, whatever the
+            aggregation); "clipfrac" (fraction of real tokens where the clipped term is the active one), split into
+            "clipfrac_low" (A < 0, ρ < 1 − ε_low) and "clipfrac_high" (A > 0, ρ > 1 + ε_high); "clipfrac_dual" (A < 0,
+            ρ > c: the dual clip active); "approxkl" (k3 estimate of KL(π_old ‖ π_θ) from samples of π_old: with
+            log ρ = logprobs − old_logprobs, (ρ − 1) − log ρ, http://joschu.net/blog/kl-approx.html; per token at
+            either level); "ratio_mean", "ratio_max", "ratio_min" over real tokens (of the ratio the loss uses).
+    """
+    if not cliprange > 0:
+        raise ValueError(f"cliprange={cliprange} must be > 0 (typical: 0.2)")
+    high = cliprange if cliprange_high is None else _clip_high(cliprange_high)
+    if clip_ratio_c is not None and not clip_ratio_c > 1:
+        raise ValueError(f"clip_ratio_c={clip_ratio_c} must be > 1 (typical: 3.0), or None for no dual clip")
+    token_log_ratio, ratio, advantages = _importance_ratio(logprobs, old_logprobs, advantages, response_mask,
+                                                           importance_sampling_level)
+    pg_losses = -advantages * ratio
+    pg_losses2 = -advantages * torch.clamp(ratio, 1.0 - cliprange, 1.0 + high)
+    per_token = torch.max(pg_losses, pg_losses2)
+    clipped = (pg_losses2 > pg_losses).detach()  # the clipped term is the active one
+    dual = torch.zeros_like(response_mask)
+    if clip_ratio_c is not None:
+        pg_losses3 = -advantages * clip_ratio_c
+        dual = (advantages < 0) & (per_token > pg_losses3)
+        per_token = torch.where(advantages < 0, torch.min(per_token, pg_losses3), per_token)
+    return _policy_objective(per_token, clipped, dual, token_log_ratio, ratio, advantages, response_mask, weights,
+                             loss_agg_mode, denominator)
+
+
+def cispo_loss(
+    logprobs: torch.Tensor,
+    old_logprobs: torch.Tensor,
+    advantages: torch.Tensor,
+    response_mask: torch.Tensor,
+    cliprange_high: float,
+    denominator=None,
+    weights: torch.Tensor | None = None,
+    loss_agg_mode: str = "token-mean",
+    importance_sampling_level: str = "token",
+) -> tuple[torch.Tensor, dict[str, torch.Tensor]]:
+    """CISPO policy loss: aggregate of −sg(min(ρ, 1+ε_high))·A·log π_θ, ρ = π_θ / π_old.
+
+    # MiniMax-M1, Chen et al. 2025, https://arxiv.org/abs/2506.13585, eq. 4; TRL's loss_type="cispo": the ratio,
+    #   clipped above and detached, weighs the REINFORCE term: every token keeps its gradient A·∇log π_θ (scaled by
+    #   the weight), where PPO's clip zeroes it
+
+    Arguments and statistics as `clipped_policy_loss`'s, with no ε_low and no dual clip: "clipfrac" and
+    "clipfrac_high" count the tokens with A > 0 whose weight the cap lowered, "clipfrac_low" and "clipfrac_dual"
+    are 0."""
+    high = _clip_high(cliprange_high)
+    token_log_ratio, ratio, advantages = _importance_ratio(logprobs, old_logprobs, advantages, response_mask,
+                                                           importance_sampling_level)
+    per_token = -advantages * torch.clamp(ratio, max=1.0 + high).detach() * torch.where(response_mask, logprobs, 0)
+    clipped = (ratio.detach() > 1.0 + high) & (advantages > 0)  # the cap lowered the weight
+    return _policy_objective(per_token, clipped, torch.zeros_like(response_mask), token_log_ratio, ratio,
+                             advantages, response_mask, weights, loss_agg_mode, denominator)
+
+
+def _clip_high(cliprange_high: float) -> float:
+    if not cliprange_high > 0:
+        raise ValueError(f"cliprange_high={cliprange_high} must be > 0 (DAPO: 0.28), or None for cliprange")
+    return cliprange_high
 
 
 VALUE_LOSS_TYPES = ("clipped", "mse", "huber")

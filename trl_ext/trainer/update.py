@@ -24,6 +24,7 @@ import torch
 
 from ..core import (
     aggregate_loss,
+    cispo_loss,
     clipped_policy_loss,
     entropy_from_logits,
     estimate_kl,
@@ -69,11 +70,14 @@ def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packin
         keep = off_policy_sequence_mask(micro.advantages, new_logprobs, behaviour, micro.response_mask,
                                         args.off_policy_mask_threshold)
         weights = keep if weights is None else weights * keep
-    pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
-                                            low, denominator, weights=weights, cliprange_high=high,
-                                            clip_ratio_c=args.clip_ratio_c, loss_agg_mode=args.loss_agg_mode,
-                                            importance_sampling_level=args.importance_sampling_level,
-                                            objective="cispo" if args.loss_type == "cispo" else "ppo")
+    common = dict(denominator=denominator, weights=weights, loss_agg_mode=args.loss_agg_mode,
+                  importance_sampling_level=args.importance_sampling_level)
+    if args.loss_type == "cispo":
+        pg_loss, pg_stats = cispo_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask, high,
+                                       **common)
+    else:
+        pg_loss, pg_stats = clipped_policy_loss(new_logprobs, micro.logprobs, micro.advantages, micro.response_mask,
+                                                low, cliprange_high=high, clip_ratio_c=args.clip_ratio_c, **common)
     if keep is not None:
         pg_stats["off_policy_masked"] = masked_mean(1.0 - keep, micro.response_mask, strict=False)
     if args.entropy_coef:  # the bonus: a higher entropy lowers the loss
