@@ -16,6 +16,7 @@ from transformers import OPTConfig, OPTForCausalLM, TrainerCallback
 
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.models import Sampling, generate_responses, sequence_inputs
+from trl_ext.models.preparation import is_checkpointing
 from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_scalar_model, tiny_tokenizer
 
 EOS = 1  # tiny_tokenizer: <pad> 0, <eos> 1, <unk> 2
@@ -412,6 +413,20 @@ def test_generation_uses_the_kv_cache_with_gradient_checkpointing_on(tmp_path, w
         t.evaluate_policy()
     steps = widths[: t.args.response_length]  # the policy's first generation
     assert steps[1:] == [1] * (t.args.response_length - 1), steps
+
+
+def test_checkpointing_is_switched_with_the_names_transformers_keeps(tmp_path, recwarn):
+    """transformers 5.25 renamed gradient checkpointing to activation checkpointing and warns on the old names (gone
+    in v6): trl_ext switches it on for training, off to generate and on again without calling them."""
+    tok = tiny_tokenizer()
+    policy, value = tiny_causal_lm(tok, seed=0), tiny_scalar_model(tok, seed=1)
+    t, _ = ppo(tmp_path, tok, policy, value=value, gradient_checkpointing=True, total_episodes=4)
+    t.train()
+    old_names = [str(w.message) for w in recwarn if "gradient_checkpointing_" in str(w.message)
+                 or "is_gradient_checkpointing" in str(w.message)]
+    assert old_names == []
+    assert t.model.is_gradient_checkpointing  # on again after the rollout's generation
+    assert is_checkpointing(policy) and is_checkpointing(value)
 
 
 def test_pad_ids_never_reach_the_model():

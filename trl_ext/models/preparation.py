@@ -1,5 +1,6 @@
 """What every model gets before training: dropout off in every form, bitsandbytes' in-place CPU repacking off,
-whether a model is quantized, and (cast_lm_head_to_fp32) an fp32 LM head."""
+whether a model is quantized, (cast_lm_head_to_fp32) an fp32 LM head, and checkpointing switched by the names
+transformers keeps."""
 
 from __future__ import annotations
 
@@ -10,6 +11,27 @@ from .forward import _underlying
 
 # gradient checkpointing's kwargs unless the config gives its own: non-reentrant, as peft's adapters need
 CHECKPOINTING_KWARGS = {"use_reentrant": False}
+
+
+def set_checkpointing(model: nn.Module, on: bool, kwargs: dict | None = None) -> None:
+    """Gradient (activation) checkpointing on or off: transformers >= 5.25 calls it activation checkpointing and
+    warns on the gradient_* names (removed in v6); older versions have only those."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        if on:
+            model.activation_checkpointing_enable(activation_checkpointing_kwargs=kwargs)
+        else:
+            model.activation_checkpointing_disable()
+    elif on:
+        model.gradient_checkpointing_enable(gradient_checkpointing_kwargs=kwargs)
+    else:
+        model.gradient_checkpointing_disable()
+
+
+def is_checkpointing(model: nn.Module) -> bool:
+    """Whether checkpointing is on, by the name this transformers keeps (see `set_checkpointing`)."""
+    if hasattr(model, "activation_checkpointing_enable"):
+        return bool(getattr(model, "is_activation_checkpointing", False))
+    return bool(getattr(model, "is_gradient_checkpointing", False))
 
 
 def disable_bnb_cpu_repack(*models) -> int:

@@ -12,7 +12,7 @@ import torch
 import torch.nn as nn
 
 from .forward import lm_logits, output_device
-from .preparation import CHECKPOINTING_KWARGS, disable_bnb_cpu_repack
+from .preparation import CHECKPOINTING_KWARGS, disable_bnb_cpu_repack, is_checkpointing, set_checkpointing
 from .value import scalar_head_outputs
 
 POLICY, CRITIC, REWARD = "policy", "critic", "reward"  # adapter names of a shared base
@@ -153,16 +153,15 @@ class SharedBaseModels(nn.Module):
     # -- checkpointing (TRL's unwrap_model_for_generation turns it off to generate and back on without arguments)
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.policy, "is_gradient_checkpointing", False))
+        return is_checkpointing(self.policy)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs):
         if gradient_checkpointing_kwargs is not None:
             self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
-        self.policy.gradient_checkpointing_enable(
-            gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs or CHECKPOINTING_KWARGS)
+        set_checkpointing(self.policy, True, self.gradient_checkpointing_kwargs or CHECKPOINTING_KWARGS)
 
     def gradient_checkpointing_disable(self):
-        self.policy.gradient_checkpointing_disable()
+        set_checkpointing(self.policy, False)
 
     # -- forward
     def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int = 0, role: str = "both"):

@@ -13,7 +13,7 @@ import torch
 import torch.nn as nn
 
 from .forward import _underlying, lm_logits, sequence_inputs
-from .preparation import is_quantized
+from .preparation import is_checkpointing, is_quantized, set_checkpointing
 
 
 def scalar_head_outputs(model: nn.Module, inputs: dict, trunk: FrozenTrunk | None = None,
@@ -177,19 +177,19 @@ class PolicyAndValueWrapper(nn.Module):
     # on with no arguments afterwards: the kwargs given first (use_reentrant=False) are remembered for that.
     @property
     def is_gradient_checkpointing(self) -> bool:
-        return bool(getattr(self.policy, "is_gradient_checkpointing", False))
+        return is_checkpointing(self.policy)
 
     def gradient_checkpointing_enable(self, gradient_checkpointing_kwargs: dict | None = None, **kwargs):
         if gradient_checkpointing_kwargs is not None:
             self.gradient_checkpointing_kwargs = gradient_checkpointing_kwargs
         for module in (self.policy, self.value_model):
             if getattr(module, "supports_gradient_checkpointing", False):
-                module.gradient_checkpointing_enable(gradient_checkpointing_kwargs=self.gradient_checkpointing_kwargs)
+                set_checkpointing(module, True, self.gradient_checkpointing_kwargs)
 
     def gradient_checkpointing_disable(self):
         for module in (self.policy, self.value_model):
             if getattr(module, "supports_gradient_checkpointing", False):
-                module.gradient_checkpointing_disable()
+                set_checkpointing(module, False)
 
     def forward(self, input_ids, attention_mask, position_ids, logits_to_keep: int = 0, role: str = "both",
                 trunk_hidden: torch.Tensor | None = None):
