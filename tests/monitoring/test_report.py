@@ -164,6 +164,21 @@ def test_step_panels_plot_against_steps_and_mark_the_alarms(fig):
     assert any(ln.get_linestyle() == "--" and list(ln.get_ydata()) == [0, 0] for ln in ev.lines)  # y = 0 dashed
 
 
+def test_the_win_rate_panel_says_which_reward_judged_each_line(tmp_path):
+    """Its two lines are win rates, each judged by one reward: the labels say so (a line labelled "training reward"
+    on a win-rate axis reads as the reward itself)."""
+    from trl_ext.monitoring.report import EVAL_PANEL_TITLES
+
+    evals = [{**_record(s), "eval/kl": 0.1 * s, "eval/score": 0.1, "eval/score_ref": 0.0,
+              "eval/win_rate_vs_ref": 0.5 + 0.05 * s, "eval/gold_score": 0.0, "eval/gold_score_ref": 0.0,
+              "eval/gold_win_rate_vs_ref": 0.5} for s in (1, 2, 3)]
+    fig = make_dashboard(evals, tmp_path / "dash.png")
+    win = _axes_by_title(fig)[EVAL_PANEL_TITLES[0]]
+    labels = {line.get_label(): list(line.get_ydata()) for line in win.get_lines()}
+    assert labels["win rate judged by the training reward"] == pytest.approx([0.55, 0.6, 0.65])
+    assert labels["win rate judged by the gold reward (eval_reward)"] == pytest.approx([0.5] * 3)
+
+
 def test_missing_keys_give_no_data_panels_without_crashing(tmp_path):
     records = [{"step": s, "objective/scores": 0.1 * s} for s in range(1, 6)]  # no KL, β, entropy, ...
     fig = make_dashboard(records, tmp_path / "d.png")

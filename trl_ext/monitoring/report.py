@@ -498,8 +498,9 @@ def _eval_panels(run, ax_win, ax_scores) -> None:
     ax_win.set_ylabel("win rate vs reference")
     ax_win.axhline(0.5, color="0.3", linestyle="--", linewidth=1, label="0.5 (no better than the reference)")
     kl = run.series("eval/kl")
-    for key, label, color in (("eval/win_rate_vs_ref", "training reward", _LEFT),
-                              ("eval/gold_win_rate_vs_ref", "gold reward (eval_reward)", _RIGHT)):
+    for key, label, color in (("eval/win_rate_vs_ref", "win rate judged by the training reward", _LEFT),
+                              ("eval/gold_win_rate_vs_ref", "win rate judged by the gold reward (eval_reward)",
+                               _RIGHT)):
         points = [(x, y) for x, y in zip(kl, run.series(key)) if math.isfinite(x) and math.isfinite(y)]
         if points:
             xs, ys = zip(*points)
