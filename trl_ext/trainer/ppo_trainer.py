@@ -346,7 +346,6 @@ class PPOTrainer(PPOTrainerBase):
                                                   args.reward_clip)
         if eval_reward is not None and eval_dataset is None:
             raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
-        self.eval_reward = eval_reward
         self.eval_scorer = RewardScorer(eval_reward, tokenizer) if eval_reward is not None else None
 
     def _setup_value_model(self, value_model, policy, peft_config):
