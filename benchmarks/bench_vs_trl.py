@@ -444,7 +444,7 @@ def run_case(case: Case) -> dict:
         if case.trainer == "trl" and os.environ.get(TRL_KEEPS_MEMORY) and not cuda:
             from trl_ext.trainer.allocator import keep_freed_memory, largest_trained_block
 
-            keep_freed_memory(largest_trained_block(trainer.model))  # as PPOTrainer._setup_allocator does
+            keep_freed_memory(largest_trained_block(trainer.model))  # as trl_ext.trainer.allocator.reuse_freed_memory
         clock = PhaseClock(cuda=cuda)
         patched = (instrument_trl if case.trainer == "trl" else instrument_trl_ext)(trainer, clock)
         marks: list[tuple[float, float, dict]] = []  # (wall, process CPU time, phase totals)

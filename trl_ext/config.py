@@ -572,7 +572,7 @@ class PPOConfig(PPOConfigBase):
 
     def _check_choices(self) -> None:
         """trl_ext's own choices: where π_old comes from, the KL estimator, the stop token (the allocator is the
-        machine's: `PPOTrainer._setup_allocator` checks it)."""
+        machine's: `trainer.allocator.reuse_freed_memory` checks it)."""
         _check(self.rollout_logprobs in ROLLOUT_LOGPROBS,
                f"rollout_logprobs={self.rollout_logprobs!r} is not one of {ROLLOUT_LOGPROBS}; pick one of them.")
         _check(not (self.rollout_logprobs == "sampler" and self.vllm_importance_sampling_correction),

@@ -66,7 +66,7 @@ def test_the_trainer_keeps_freed_memory_on_cpu_unless_told_or_the_environment_ch
     for name in ALLOCATOR_ENVIRONMENT:
         monkeypatch.delenv(name, raising=False)
     calls = []
-    monkeypatch.setattr("trl_ext.trainer.ppo_trainer.keep_freed_memory", lambda largest: calls.append(largest) or 2**25)
+    monkeypatch.setattr("trl_ext.trainer.allocator.keep_freed_memory", lambda largest: calls.append(largest) or 2**25)
     assert tiny_trainer(tmp_path / "a").reuses_freed_memory and len(calls) == 1  # default on CPU: on
     assert not tiny_trainer(tmp_path / "b", cpu_reuse_freed_memory=False).reuses_freed_memory and len(calls) == 1
     monkeypatch.setenv("MALLOC_TRIM_THRESHOLD_", "1000000")  # the user chose: left alone, unless asked explicitly
@@ -121,8 +121,7 @@ def test_blocks_up_to_the_largest_parameter_are_kept():
 
 
 def test_asking_for_it_without_glibc_is_an_error(tmp_path, monkeypatch):
-    for module in ("trl_ext.trainer.ppo_trainer", "trl_ext.trainer.allocator"):  # the check, and keep_freed_memory
-        monkeypatch.setattr(f"{module}.glibc", lambda: None)
+    monkeypatch.setattr("trl_ext.trainer.allocator.glibc", lambda: None)
     with pytest.raises(ValueError, match="cpu_reuse_freed_memory=True.*not glibc"):
         tiny_trainer(tmp_path / "a", cpu_reuse_freed_memory=True)
     assert not tiny_trainer(tmp_path / "b").reuses_freed_memory  # unset: no error, the trainer leaves malloc alone

@@ -73,3 +73,17 @@ def keep_freed_memory(largest_block: int = 0) -> int:
         if not libc.mallopt(M_MMAP_THRESHOLD, threshold):
             return 0
     return threshold if libc.mallopt(M_TRIM_THRESHOLD, NEVER) else 0
+
+
+def reuse_freed_memory(setting: bool | None, device_type: str, trained) -> bool:
+    """`PPOConfig.cpu_reuse_freed_memory` applied: keep freed blocks up to `trained`'s largest trainable parameter
+    (True: asked for; None: on CPU unless the environment chose the allocator; False: never). Whether it now does."""
+    if setting is True and glibc() is None:
+        raise ValueError("cpu_reuse_freed_memory=True sets glibc's malloc options, but this C library is not "
+                         "glibc: drop the setting (or preload jemalloc/tcmalloc, which keep freed memory "
+                         "themselves).")
+    if setting is False:
+        return False
+    if setting is None and (device_type != "cpu" or allocator_chosen_by_user()):
+        return False  # not on CPU, or the environment already chose the allocator's behaviour
+    return keep_freed_memory(largest_trained_block(trained)) > 0

@@ -21,43 +21,26 @@ import time
 from pathlib import Path
 
 import torch
-from accelerate import Accelerator
-from accelerate.utils import GradientAccumulationPlugin
-from torch.utils.data import DataLoader
 from transformers import Trainer, TrainerControl
-from transformers.integrations import get_reporting_integration_callbacks
-from transformers.trainer import DEFAULT_CALLBACKS, SCHEDULER_NAME
+from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 from transformers.trainer_utils import enable_full_determinism, set_seed
 from transformers.utils import is_peft_available
 
 from .._trl import OnlineTrainerState, PPOTrainerBase
 from ..config import PPOConfig
-from ..core import make_kl_controller
 from ..core.types import Rollout, UpdateStats
-from ..data.batches import PromptBatches
 from ..data.prompts import LeftPaddingCollator, prepare_prompts
 from ..models import (
     CHECKPOINTING_KWARGS,
-    POLICY,
-    FrozenTrunk,
     PolicyAndValueWrapper,
     Sampling,
-    SharedBaseModels,
-    build_value_model,
-    cast_lm_head_to_fp32,
-    check_padding_free,
     disable_bnb_cpu_repack,
     disable_dropout,
-    is_quantized,
-    lm_logits,
-    lora_for_quantized_value_model,
-    probe_batch,
     sampling_config,
-    scalar_head_outputs,
 )
-from ..monitoring.alarms import AlarmCallback, profile_thresholds
-from ..monitoring.callbacks import SAMPLES_FILE, MetricsFileCallback, append_jsonl
+from ..monitoring.alarms import AlarmCallback
+from ..monitoring.callbacks import SAMPLES_FILE, append_jsonl
 from ..monitoring.diagnostics import (
     mean_sequence_kl,
     rollout_metrics,
@@ -67,10 +50,10 @@ from ..monitoring.diagnostics import (
 )
 from ..monitoring.phases import Phases
 from ..monitoring.progress import PPOProgress
-from ..rewards import RewardNormalizer, RewardScorer, has_score_head
-from .allocator import allocator_chosen_by_user, glibc, keep_freed_memory, largest_trained_block
-from .async_rollouts import AsyncRollouts, ServerSampler, ThreadSampler, load_drawn, save_drawn
-from .backend import Backend, Reference, reference_copy
+from . import builders as build
+from .allocator import reuse_freed_memory
+from .async_rollouts import AsyncRollouts, load_drawn, save_drawn
+from .backend import Backend, Reference
 from .checkpoint import (
     CONFIG_OVER_STATE,
     VALUE_MODEL_DIR,
@@ -96,18 +79,12 @@ from .evaluation import Evaluator, dataset_columns
 from .multi_turn import MultiTurn, RolloutFunction
 from .preemption import Preemption
 from .rollout import RolloutPhase
-from .sampling import ResponseSampler, colocated_vllm, server_vllm
+from .sampling import ResponseSampler
 from .seeds import extra_draw_seed, process_seed, regrown_process_seed
 from .update import PPOUpdate, vf_coef_at
 
 if is_peft_available():
-    from peft import PeftConfig, PeftModel, get_peft_model
-
-
-def _exact_div(a: int, b: int, what: str) -> int:
-    if a % b:
-        raise ValueError(f"{what}: {a} is not divisible by {b}; choose sizes so that it is.")
-    return a // b
+    from peft import PeftConfig
 
 
 class PPOTrainer(PPOTrainerBase):
@@ -144,118 +121,177 @@ class PPOTrainer(PPOTrainerBase):
         rollout_func=None,
         environment_factory=None,
     ) -> None:
-        """TRL 1.12's arguments. Set up in steps, each a method below, in this order (the order random numbers are
-        drawn in: seeding, the critic's new head, the LoRA matrices, the reference copy)."""
-        self._check_arguments(args, processing_class, model, ref_model, train_dataset)
+        """TRL 1.12's arguments. Set up in steps, each a builder (trl_ext/trainer/builders.py) or a method below, in
+        this order (the order random numbers are drawn in: seeding, the critic's new head, the LoRA matrices, the
+        reference copy)."""
+        build.check_arguments(args, processing_class, model, ref_model, train_dataset)
         self.args, self.processing_class = args, processing_class
         # python, numpy and torch seeded: on CPU two runs with the same seed give the same weights; on CUDA also with
         # full_determinism=True (deterministic kernels, cuBLAS workspace: TrainingArguments' switch), else close only
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
-        model = self._setup_shared_base(model, ref_model, value_model, peft_config)
-        self._setup_stop_token()
-        self._setup_multi_turn(tools, environment_factory, rollout_func, eval_dataset)
-        own_collator = data_collator is None  # trl_ext's collator: the prompts' lengths and columns are known
-        train_dataset, eval_dataset, data_collator = self._setup_prompts(train_dataset, eval_dataset, data_collator)
-        self._setup_rewards(reward_model, reward_processing_classes, eval_reward, eval_dataset)
-        if own_collator and not isinstance(self.multi_turn, RolloutFunction):  # (its fields are columns too)
+        self.shared = build.shared_base(args, model, ref_model, value_model, peft_config)
+        model = self.shared.policy if self.shared is not None else model
+        self.stop_token_id = build.stop_token_id(args, processing_class)
+        self.multi_turn = build.multi_turn(args, processing_class, self.stop_token_id, tools, environment_factory,
+                                           rollout_func, eval_dataset, self)
+        data = build.prompts(args, processing_class, self.multi_turn, train_dataset, eval_dataset, data_collator)
+        self.column_names, self.prompt_counts = data.columns, data.counts
+        rewards = build.rewards(args, processing_class, self.multi_turn, reward_model, reward_processing_classes,
+                                eval_reward, data.eval_dataset)
+        self.reward_model = reward_model
+        self.reward_scorer, self.reward_normalizer, self.eval_scorer = rewards.scorer, rewards.normalizer, \
+            rewards.eval_scorer
+        if data.own_collator and not isinstance(self.multi_turn, RolloutFunction):  # (its fields are columns too)
             # multi-turn: reward functions also get the episodes' environments (TRL's)
             environments = ("environments",) if getattr(self.multi_turn, "factories", None) else ()
             self.reward_scorer.check_columns(self.column_names + environments)
-        self.value_model = self._setup_value_model(value_model, model, peft_config)  # before PEFT touches the policy
-        self._setup_policy(model, ref_model, peft_config)
-        longest_prompt = self._check_positions(train_dataset, eval_dataset, own_collator)
-        self.train_dataset, self.train_dataset_len, self.eval_dataset = train_dataset, len(train_dataset), eval_dataset
+        # the critic before PEFT touches the policy (value_model_init="policy" copies the plain backbone)
+        self.value_model = build.critic(args, self.shared, value_model, model, peft_config, self.reward_scorer,
+                                        processing_class)
+        self.policy_model, self.ref_model, self.is_peft_model = build.policy_and_reference(args, model, ref_model,
+                                                                                           peft_config)
+        self.model_adapter_name, self.ref_adapter_name = args.model_adapter_name, args.ref_adapter_name
+        longest_prompt = build.check_positions(args, {"policy": self.policy_model, "value_model": self.value_model,
+                                                      "ref_model": self.ref_model}, data)
+        self.train_dataset, self.eval_dataset, self.data_collator = data.train_dataset, data.eval_dataset, \
+            data.collator
+        self.train_dataset_len = len(self.train_dataset)
         self.episodes_per_epoch = self.train_dataset_len * args.num_generations  # an episode is one completion
-        self.data_collator = data_collator
-        self._setup_batch_sizes(optimizers)
-        self._setup_accelerator()
+        self.optimizer, self.lr_scheduler = optimizers
+        self.optimizer_cls_and_kwargs = None
+        build.batch_sizes(args, self.optimizer, self.episodes_per_epoch)
+        self.accelerator = build.accelerator(args)
+        self.kl_ctl = build.kl_controller(args)
+        self.local_seed = process_seed(args.seed, self.accelerator.process_index)
+        if args.num_sample_generations > 0:
+            self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
+        self.backend = Backend(self.accelerator, self.shared, args.max_grad_norm)  # the engine and layout, read once
         self._setup_models()
-        self._check_padding_free(longest_prompt)
-        self.reuses_freed_memory = self._setup_allocator()
-        self._setup_callbacks_and_state(callbacks)
+        build.check_packing(args, longest_prompt, self.policy_model, self.ref_model, self.value_model,
+                            self.reward_scorer)
+        self.reuses_freed_memory = reuse_freed_memory(args.cpu_reuse_freed_memory, self.accelerator.device.type,
+                                                      self.model)
+        self._setup_callbacks_and_state(build.callbacks(args, callbacks))
         self._setup_trainer_internals()
-        self._setup_dataloaders(train_dataset, eval_dataset, data_collator)
+        self.prompt_batches, self.dataloader, self.eval_dataloader = build.dataloaders(
+            args, self.accelerator, self.backend.params_sharded, data)
         self._prepare_models()
         self._place_frozen_models()
-        self._setup_trunk()
+        self.trunk_from_reference = build.trunk_from_reference(
+            args, self.backend, self.shared, self.unwrapped, self.ref_model, self.reference,
+            self.policy_model.config.vocab_size, self.accelerator.device)
         # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
         self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
         self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
-        self.vllm = self._setup_vllm() if args.use_vllm else None
+        self.vllm = build.vllm_sampler(args, self.backend, self.shared, self.unwrapped.policy, processing_class,
+                                       self.sampling, self.local_seed) if args.use_vllm else None
         # each process's global RNG (the minibatch order; the rollouts draw from generators seeded per iteration),
         # seeded last, as DeepSpeed's engine set-up may draw random numbers
         torch.manual_seed(self.local_seed)
         self._setup_phases()
-        self.async_engine = self._setup_async() if args.async_rollouts else None
+        self.async_engine = build.async_sampler(args, self.vllm, self.shared, self.backend.params_sharded,
+                                                self.sampler, self.unwrapped.policy) if args.async_rollouts else None
         self.async_rollouts: AsyncRollouts | None = None  # the sampler's thread of the last train() (its logs)
         self._resumed_draws: dict = {}  # what a checkpoint saved of async_rollouts' draws
 
     # ------------------------------------------------------------------------------------------------ setup steps
-    @staticmethod
-    def _check_arguments(args, tokenizer, model, ref_model, train_dataset) -> None:
-        if not isinstance(args, PPOConfig):
-            raise TypeError(f"`args` must be a trl_ext.PPOConfig, got {type(args).__name__}: import PPOConfig from "
-                            "trl_ext alongside PPOTrainer.")
-        if train_dataset is None:
-            raise ValueError("`train_dataset` is required.")
-        if ref_model is model:
-            raise ValueError("`model` and `ref_model` cannot be the same object: pass a copy, or `None` (a frozen "
-                             "copy is made, or with peft the adapter is disabled).")
-        if tokenizer.pad_token_id is None:
-            raise ValueError("The tokenizer has no pad token: set `tokenizer.pad_token` (e.g. to its EOS token).")
+    def _frozen_scorer_models(self) -> list[torch.nn.Module]:
+        models = list(self.reward_scorer.models.values())
+        if self.eval_scorer is not None:
+            models += list(self.eval_scorer.models.values())
+        return models
 
-    def _setup_shared_base(self, model, ref_model, value_model, peft_config):
-        """A shared base (trl_ext.models.build_shared_base): one base model, every role an adapter of it. Returns the
-        policy model."""
-        self.shared = model if isinstance(model, SharedBaseModels) else None
-        if self.shared is None:
-            return model
-        self._check_shared_base(self.args, ref_model, value_model, peft_config)
-        return self.shared.policy
-
-    def _setup_stop_token(self) -> None:
-        """By default generation stops at EOS, and the stop token is a real response token."""
+    def _setup_models(self) -> None:
+        """Dropout off in every model, gradient checkpointing as configured, policy+value as one trained module, the
+        optimizer and scheduler."""
         args = self.args
-        if args.stop_token_id is not None:
-            self.stop_token_id = args.stop_token_id
-        elif args.stop_token == "none":
-            self.stop_token_id = None
+        for module in [self.policy_model, self.ref_model, self.value_model] + self._frozen_scorer_models():
+            if isinstance(module, torch.nn.Module):
+                disable_dropout(module)  # nn.Dropout modules and dropout rates held as numbers
+                # bitsandbytes on AVX512-BF16 CPUs: no in-place repacking of 4-bit weights (it breaks LoRA gradients)
+                disable_bnb_cpu_repack(module)
+        if self.shared is not None:
+            self.model = self.shared
         else:
-            self.stop_token_id = self.processing_class.eos_token_id
-        if args.missing_eos_penalty and self.stop_token_id is None:  # 0: no penalty, as in TRL
-            raise ValueError(f"missing_eos_penalty={args.missing_eos_penalty} is set but there is no stop token "
-                             "(stop_token='none'): set a stop token or drop the penalty.")
-        if args.mask_truncated_completions and self.stop_token_id is None:
-            raise ValueError("mask_truncated_completions=True leaves completions without a stop token out of the "
-                             "policy loss, but there is no stop token (stop_token='none'): every completion would be "
-                             "left out. Set a stop token or drop the setting.")
+            self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
+        if args.gradient_checkpointing:
+            # on the policy and the critic (one base for both when shared)
+            self.model.gradient_checkpointing_enable(
+                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or CHECKPOINTING_KWARGS)
+            if self.is_peft_model:
+                self.policy_model.enable_input_require_grads()
+        self.model.config = self.policy_model.config
+        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
 
-    def _setup_multi_turn(self, tools, environment_factory, rollout_func, eval_dataset) -> None:
-        """Conversations with tools and environments, or the user's rollout_func (trl_ext/trainer/multi_turn.py)."""
-        args, tokenizer = self.args, self.processing_class
-        self.multi_turn = None
-        if rollout_func is not None:
-            if tools or environment_factory is not None:
-                raise ValueError("rollout_func makes the conversations itself: pass it alone, without tools or "
-                                 "environment_factory (call them from inside rollout_func).")
-            self.multi_turn = RolloutFunction(rollout_func, self, args, tokenizer.pad_token_id)
-        elif tools or environment_factory is not None:
-            self.multi_turn = MultiTurn(tokenizer, args, tools, environment_factory, tokenizer.pad_token_id,
-                                        self.stop_token_id)
-        if self.multi_turn is None:
-            return
-        if self.stop_token_id is None and isinstance(self.multi_turn, MultiTurn):
-            raise ValueError("multi-turn rollouts end each model turn at the stop token, but there is none "
-                             "(stop_token='none'): set a stop token (the chat template's end of turn).")
-        if args.async_rollouts:
-            raise ValueError("async_rollouts=True draws single-turn responses in its own thread; multi-turn "
-                             "rollouts (tools, environment_factory, rollout_func) are drawn in step: set "
-                             "async_rollouts=False.")
-        if eval_dataset is not None:
-            raise ValueError("evaluation (eval_dataset) samples single-turn answers, which would not be the episodes "
-                             "trained on: drop eval_dataset with tools, environment_factory or rollout_func, and "
-                             "evaluate episodes yourself with trainer.run_episodes (docs/multi-turn.md).")
+    def _setup_callbacks_and_state(self, callbacks: list) -> None:
+        """The callbacks (`builders.callbacks`) behind transformers' handler; the progress bar is PPOProgress (or
+        printed logs with disable_tqdm); the trainer state and control."""
+        args = self.args
+        self.callbacks = callbacks
+        self.callback_handler = CallbackHandler(self.callbacks, self.model, self.processing_class, self.optimizer,
+                                                self.lr_scheduler)
+        if args.disable_tqdm:
+            self.add_callback(PrinterCallback)
+        self.control = TrainerControl()
+        self.state = OnlineTrainerState(
+            is_local_process_zero=self.is_local_process_zero(),
+            is_world_process_zero=self.is_world_process_zero(),
+            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
+                                if isinstance(cb, ExportableState)],
+        )
 
+    def _setup_trainer_internals(self) -> None:
+        """The attributes `transformers.Trainer`'s methods that trl_ext calls read (save_model, the optimizer/RNG
+        checkpoint helpers, create_model_card, init_hf_repo), as of transformers 5.18-5.24: `Trainer.__init__` is
+        never run, so they are set here, in one place."""
+        args = self.args
+        self.current_flos = 0
+        self.hp_search_backend = None
+        self.is_deepspeed_enabled, self.is_fsdp_enabled = self.backend.deepspeed, self.backend.fsdp
+        self.is_distributed_loading_by_transformers = False  # read by Trainer._save on non-zero ranks
+        self.is_fsdp_xla_v1_enabled = False  # read by Trainer._load_optimizer_and_scheduler
+        self.hub_model_id = None
+        if args.push_to_hub:
+            self.init_hf_repo()
+        if args.should_save:
+            os.makedirs(args.output_dir, exist_ok=True)
+
+    def _prepare_models(self) -> None:
+        """`accelerate.prepare` of the trained module and its optimizer, through the backend."""
+        self.backend.prepare(self.unwrapped, self.optimizer, self.args)
+        self.model, self.optimizer = self.backend.model, self.backend.optimizer
+        self.group_roles = self.backend.group_roles
+
+    def _place_frozen_models(self) -> None:
+        """The reference and the reward models on the training device (DeepSpeed: wrapped for inference); then
+        which model acts as the reference (`Reference`)."""
+        for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
+            for name, module in scorer.models.items():
+                placed = self.backend.place_frozen(module)
+                if placed is not module:
+                    scorer.replace_model(name, placed)
+        if self.ref_model is not None:
+            self.ref_model = self.backend.place_frozen(self.ref_model)
+        self.reference = Reference(self.ref_model, self.shared, self.is_peft_model, self.ref_adapter_name,
+                                   self.model_adapter_name, self.args.temperature)
+
+    def _setup_phases(self) -> None:
+        """The phases of an iteration, each given only what it uses: the sampler (every draw of responses), the
+        rollout (steps 1-7), the update (step 8) and the evaluator; `phases` announces them (progress, benchmarks)."""
+        args = self.args
+        self.phases = Phases()
+        self.sampler = ResponseSampler(self.backend, self.reference, self.sampling, self.processing_class.pad_token_id,
+                                       args.local_rollout_forward_batch_size, args.ds3_gather_for_generation,
+                                       self.local_seed, self.vllm)
+        self.rollout_phase = RolloutPhase(args, self.backend, self.sampler, self.reference, self.reward_scorer,
+                                          self.reward_normalizer, self.stop_token_id, self.phases,
+                                          self.trunk_from_reference, more_prompts=self._more_prompts,
+                                          multi_turn=self.multi_turn)
+        self.update_phase = PPOUpdate(args, self.backend)
+        self.evaluator = Evaluator(args, self.backend, self.sampler, self.reference, self.reward_scorer,
+                                   self.eval_scorer, self.processing_class, self.eval_dataloader)
+
+    # ------------------------------------------------------------------------------------------------ multi-turn
     def generate_turns(self, contexts: list[list[int]], max_new_tokens: int) -> list[tuple[list[int], list[float]]]:
         """Inside rollout_func: one model turn for each context (token ids), at most max_new_tokens each, sampled
         as the trainer samples (HF generate or vLLM, seeded by process and step): [(ids up to and including the stop
@@ -292,429 +328,7 @@ class PPOTrainer(PPOTrainerBase):
                                      "reward": float(get_reward()) if callable(get_reward) else None})
         return episodes
 
-    def _setup_prompts(self, train_dataset, eval_dataset, data_collator):
-        """A `prompt` column of text or of chat messages, or TRL's `input_ids`; left-padded here, whatever the
-        tokenizer's padding side. A custom data_collator gets the dataset as given (and must left-pad)."""
-        args, tokenizer = self.args, self.processing_class
-        self.prompt_counts = {"data/prompts_truncated": 0, "data/prompts_dropped": 0}
-        self.column_names: tuple[str, ...] = ()  # dataset columns that travel with each prompt to the rewards
-        if data_collator is not None:
-            return train_dataset, eval_dataset, data_collator
-        tools = self.multi_turn.prompt_tools if isinstance(self.multi_turn, MultiTurn) else None
-        prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation,
-                                   tools=tools)
-        self.prompt_counts = {"data/prompts_truncated": prepared.num_truncated,
-                              "data/prompts_dropped": prepared.num_dropped}
-        if prepared.num_truncated or prepared.num_dropped:
-            print(f"[trl_ext] prompts longer than max_prompt_length={args.max_prompt_length}: "
-                  f"{prepared.num_truncated} cut from the left after their head, {prepared.num_dropped} dropped")
-        if eval_dataset is not None:
-            eval_dataset = prepare_prompts(eval_dataset, tokenizer, args.max_prompt_length,
-                                           args.prompt_truncation).dataset
-        self.column_names = tuple(prepared.extra_columns)
-        return prepared.dataset, eval_dataset, LeftPaddingCollator(tokenizer, self.column_names)
-
-    def _setup_rewards(self, reward_model, reward_processing_classes, eval_reward, eval_dataset) -> None:
-        """Models (the policy's tokenizer or their own), functions, or a weighted list (trl_ext/rewards/); the score
-        conditioning; an optional gold scorer for evaluation only (never trained on)."""
-        args, tokenizer = self.args, self.processing_class
-        self.reward_model = reward_model
-        weights = args.reward_weights
-        environment_rewards = self.multi_turn.reward_functions() if self.multi_turn is not None else []
-        if reward_model is None and not environment_rewards:
-            raise ValueError("`reward_model` is required: a sequence-classification model, a function "
-                             "(prompts: list[str], completions: list[str], **columns) -> list[float], or a list "
-                             "(or None with an environment_factory whose environments define get_reward).")
-        if environment_rewards:  # TRL's: each environment class with get_reward is one more source, weight 1
-            sources = [] if reward_model is None else RewardScorer._as_list(reward_model)
-            if isinstance(reward_processing_classes, (list, tuple)):
-                reward_processing_classes = [*reward_processing_classes, *[None] * len(environment_rewards)]
-            weights = None if weights is None else [*weights, *[1.0] * len(environment_rewards)]
-            reward_model = [*sources, *environment_rewards]
-        if args.overlong_buffer_len is not None:  # DAPO's soft overlong punishment: one more source, TRL's function
-            from trl.rewards import get_soft_overlong_punishment
-
-            sources = RewardScorer._as_list(reward_model)
-            if isinstance(reward_processing_classes, (list, tuple)):
-                reward_processing_classes = [*reward_processing_classes, None]
-            punishment = get_soft_overlong_punishment(args.response_length, args.overlong_buffer_len)
-            reward_model = [*sources, punishment]
-            weights = [*(weights or [1.0] * len(sources)), args.overlong_penalty_factor]
-        self.reward_scorer = RewardScorer(reward_model, tokenizer, weights, reward_processing_classes,
-                                          padding_free=args.padding_free)
-        self.reward_normalizer = RewardNormalizer(args.reward_norm, args.reward_norm_mean, args.reward_norm_std,
-                                                  args.reward_clip)
-        if eval_reward is not None and eval_dataset is None:
-            raise ValueError("eval_reward is set but there is no eval_dataset to evaluate on: pass eval_dataset.")
-        self.eval_scorer = RewardScorer(eval_reward, tokenizer) if eval_reward is not None else None
-
-    def _setup_value_model(self, value_model, policy, peft_config):
-        """The critic, built before PEFT touches the policy (value_model_init="policy" copies the plain backbone)."""
-        if self.shared is not None:
-            return self.shared.value_model  # the critic adapter + value head
-        args = self.args
-        critic_source = self._reward_model_for_critic() if args.value_model_init == "reward_model" else None
-        value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, policy, critic_source)
-        # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
-        return lora_for_quantized_value_model(value_model, peft_config)
-
-    def _setup_policy(self, model, ref_model, peft_config) -> None:
-        """The policy (with its PEFT adapter) and the reference: the given model, the policy with its adapter
-        disabled (peft), or a frozen copy."""
-        args = self.args
-        self.policy_model = model
-        if args.cast_lm_head_to_fp32:  # before the adapter: a plain nn.Linear head
-            cast_lm_head_to_fp32(model)
-            if ref_model is not None:
-                cast_lm_head_to_fp32(ref_model)
-        if peft_config is not None:
-            if not is_peft_available():
-                raise ImportError("You passed `peft_config` but `peft` is not installed: `pip install peft`.")
-            if isinstance(model, PeftModel):
-                raise ValueError("You passed a PeftModel together with a `peft_config`: merge and unload the existing "
-                                 "adapter first, or pass the PeftModel without `peft_config`.")
-            self.policy_model = get_peft_model(model, peft_config)
-        self.is_peft_model = is_peft_available() and isinstance(self.policy_model, PeftModel)
-        if is_quantized(self.policy_model) and not self.is_peft_model:
-            raise ValueError("The policy is loaded in 4-bit/8-bit and has no adapter, so PPO could train only its "
-                             "unquantized embeddings and norms: pass a peft_config (e.g. LoraConfig(r=16, "
-                             "target_modules='all-linear')), or use trl_ext.models.build_shared_base.")
-        self.model_adapter_name = args.model_adapter_name
-        self.ref_adapter_name = args.ref_adapter_name
-        if ref_model is not None:
-            self.ref_model = ref_model
-        elif self.is_peft_model:
-            self.ref_model = None  # the policy with its adapter disabled
-        else:
-            self.ref_model = reference_copy(self.policy_model)  # a frozen deep copy (ZeRO-3 aware)
-
-    def _check_positions(self, train_dataset, eval_dataset, own_collator: bool) -> int | None:
-        """The longest prompt + response_length must fit each model's position limit (`max_position_embeddings` or
-        `n_positions`): past it GPT-2's position table raises an IndexError mid-run, and a rotary model trains on
-        positions it never learned. Returns the longest prompt's length (None: not known here)."""
-        if own_collator:
-            longest = max((len(ids) for d in (train_dataset, eval_dataset) if d is not None for ids in d["input_ids"]),
-                          default=0)
-        elif self.args.max_prompt_length is not None:
-            longest = self.args.max_prompt_length
-        else:
-            return None  # a custom collator without max_prompt_length: the prompts' lengths are not known here
-        need = longest + self.args.response_length
-        roles = {"policy": self.policy_model, "value_model": self.value_model, "ref_model": self.ref_model}
-        for role, module in roles.items():
-            config = getattr(module, "config", None)
-            limit = getattr(config, "max_position_embeddings", None) or getattr(config, "n_positions", None)
-            if isinstance(limit, int) and need > limit:
-                raise ValueError(f"The longest prompt has {longest} tokens and response_length="
-                                 f"{self.args.response_length}: {need} positions, beyond the {role}'s position limit "
-                                 f"({type(module).__name__}: {limit}). Set max_prompt_length <= "
-                                 f"{limit - self.args.response_length} (longer prompts are cut from the left), or "
-                                 "lower response_length.")
-        return longest
-
-    def _check_padding_free(self, longest_prompt: int | None) -> None:
-        """padding_free: every model that runs packed gives its padded outputs on a probe (`check_padding_free`);
-        a token budget holds the longest row (prompt + response_length)."""
-        args = self.args
-        if not args.padding_free:
-            return
-        budget = args.max_tokens_per_micro_batch
-        if budget is not None and longest_prompt is not None and longest_prompt + args.response_length > budget:
-            raise ValueError(f"max_tokens_per_micro_batch={budget} cannot hold the longest row: a prompt of "
-                             f"{longest_prompt} tokens + response_length={args.response_length}. Raise it to at least "
-                             f"{longest_prompt + args.response_length}, or set max_prompt_length.")
-        check_padding_free(self.policy_model, "policy", lm_logits)
-        if isinstance(self.ref_model, torch.nn.Module):
-            check_padding_free(self.ref_model, "ref_model", lm_logits)
-        for name, module in {"value_model": self.value_model, **self.reward_scorer.models}.items():
-            if has_score_head(module):
-                check_padding_free(module, name, scalar_head_outputs)
-
-    def _setup_batch_sizes(self, optimizers) -> None:
-        """TRL's batch definitions per process, and the optimizer and scheduler given (if any)."""
-        args = self.args
-        self.optimizer, self.lr_scheduler = optimizers
-        self.optimizer_cls_and_kwargs = None
-        if self.optimizer is not None and args.critic_learning_rate is not None:
-            raise ValueError("critic_learning_rate is set but you passed your own optimizer: give the value model's "
-                             "parameters their learning rate in your optimizer's param groups, or drop the setting.")
-        if args.total_episodes is None:
-            args.total_episodes = int(args.num_train_epochs * self.episodes_per_epoch)
-        # One rollout batch per process = per_device_train_batch_size x gradient_accumulation_steps prompts; it splits
-        # into num_mini_batches minibatches of micro-batches.
-        args.local_batch_size = args.per_device_train_batch_size * args.gradient_accumulation_steps
-        args.local_mini_batch_size = _exact_div(args.local_batch_size, args.num_mini_batches,
-                                                "per-process batch (per_device_train_batch_size x "
-                                                "gradient_accumulation_steps) must split into num_mini_batches")
-
-    def _setup_accelerator(self) -> None:
-        """The Accelerator (one optimizer step per minibatch, the mixed precision), the sizes over all processes,
-        β, this process's seed, and the backend (the engine and the model layout, read once)."""
-        args = self.args
-        # TRL's micro-batch rule: per_device_train_batch_size rows at a time, the last micro-batch of a minibatch
-        # possibly smaller (a minibatch smaller than per_device_train_batch_size is one micro-batch)
-        micro_batches_per_minibatch = math.ceil(args.local_mini_batch_size / args.per_device_train_batch_size)
-        # One optimizer step per minibatch: accumulate over its micro-batches, never sync at the dataloader's end
-        # (TRL accumulated over gradient_accumulation_steps micro-batches, straddling minibatches).
-        self.accelerator = accelerator = Accelerator(
-            gradient_accumulation_plugin=GradientAccumulationPlugin(num_steps=micro_batches_per_minibatch,
-                                                                    sync_with_dataloader=False),
-            mixed_precision="bf16" if args.bf16 else "fp16" if args.fp16 else "no",
-            cpu=args.use_cpu,
-        )
-        args.world_size = accelerator.num_processes
-        args.micro_batch_size = args.per_device_train_batch_size * args.world_size
-        args.batch_size = args.local_batch_size * args.world_size
-        args.mini_batch_size = args.local_mini_batch_size * args.world_size
-        args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
-        # β: fixed, or adapted after each rollout batch (see trl_ext/core/kl_control.py)
-        self.kl_ctl = make_kl_controller(args.kl_controller, args.kl_coef, args.kl_target, args.kl_horizon)
-        if args.kl_controller == "adaptive" and args.kl_horizon < args.batch_size:
-            raise ValueError(f"kl_horizon={args.kl_horizon} is smaller than one rollout batch ({args.batch_size}); "
-                             "the controller would move β by more than 20% per batch. Use a horizon of at least "
-                             "the batch size (typical: 10000).")
-        self.local_seed = process_seed(args.seed, accelerator.process_index)
-        if args.num_sample_generations > 0:
-            self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
-        self.backend = Backend(accelerator, self.shared, args.max_grad_norm)
-
-    def _setup_allocator(self) -> bool:
-        """cpu_reuse_freed_memory: glibc's malloc keeps freed blocks up to the largest trained parameter's size
-        (trl_ext/trainer/allocator.py); whether it does now."""
-        setting = self.args.cpu_reuse_freed_memory
-        if setting is True and glibc() is None:
-            raise ValueError("cpu_reuse_freed_memory=True sets glibc's malloc options, but this C library is not "
-                             "glibc: drop the setting (or preload jemalloc/tcmalloc, which keep freed memory "
-                             "themselves).")
-        if setting is False:
-            return False
-        if setting is None and (self.accelerator.device.type != "cpu" or allocator_chosen_by_user()):
-            return False  # not on CPU, or the environment already chose the allocator's behaviour
-        return keep_freed_memory(largest_trained_block(self.model)) > 0
-
-    def _frozen_scorer_models(self) -> list[torch.nn.Module]:
-        models = list(self.reward_scorer.models.values())
-        if self.eval_scorer is not None:
-            models += list(self.eval_scorer.models.values())
-        return models
-
-    def _setup_models(self) -> None:
-        """Dropout off in every model, gradient checkpointing as configured, policy+value as one trained module, the
-        optimizer and scheduler."""
-        args = self.args
-        for module in [self.policy_model, self.ref_model, self.value_model] + self._frozen_scorer_models():
-            if isinstance(module, torch.nn.Module):
-                disable_dropout(module)  # nn.Dropout modules and dropout rates held as numbers
-                # bitsandbytes on AVX512-BF16 CPUs: no in-place repacking of 4-bit weights (it breaks LoRA gradients)
-                disable_bnb_cpu_repack(module)
-        if self.shared is not None:
-            self.model = self.shared
-        else:
-            self.model = PolicyAndValueWrapper(self.policy_model, self.value_model)
-        if args.gradient_checkpointing:
-            # on the policy and the critic (one base for both when shared)
-            self.model.gradient_checkpointing_enable(
-                gradient_checkpointing_kwargs=args.gradient_checkpointing_kwargs or CHECKPOINTING_KWARGS)
-            if self.is_peft_model:
-                self.policy_model.enable_input_require_grads()
-        self.model.config = self.policy_model.config
-        self.create_optimizer_and_scheduler(num_training_steps=args.num_total_batches)
-
-    def _setup_callbacks_and_state(self, callbacks) -> None:
-        """Alarms first (they add alarm/<name> keys to the logs the others see); report_to adds TensorBoard/trackio/
-        wandb; every run writes output_dir/metrics.jsonl; the progress bar is PPOProgress (or printed logs with
-        disable_tqdm)."""
-        args = self.args
-        callbacks = list(callbacks or [])
-        alarms = [cb for cb in callbacks if isinstance(cb, AlarmCallback)]
-        if not alarms and args.alarms:
-            alarms = [AlarmCallback(profile_thresholds(args.alarm_profile, args.alarm_thresholds))]
-        callbacks = [cb for cb in callbacks if not isinstance(cb, AlarmCallback)]
-        run_folder = [] if any(isinstance(cb, MetricsFileCallback) for cb in callbacks) else [MetricsFileCallback()]
-        self.callbacks = (DEFAULT_CALLBACKS + alarms + get_reporting_integration_callbacks(args.report_to)
-                          + callbacks + run_folder)
-        self.callback_handler = CallbackHandler(self.callbacks, self.model, self.processing_class, self.optimizer,
-                                                self.lr_scheduler)
-        if args.disable_tqdm:
-            self.add_callback(PrinterCallback)
-        self.control = TrainerControl()
-        self.state = OnlineTrainerState(
-            is_local_process_zero=self.is_local_process_zero(),
-            is_world_process_zero=self.is_world_process_zero(),
-            stateful_callbacks=[cb for cb in self.callback_handler.callbacks + [self.control]
-                                if isinstance(cb, ExportableState)],
-        )
-
-    def _setup_trainer_internals(self) -> None:
-        """The attributes `transformers.Trainer`'s methods that trl_ext calls read (save_model, the optimizer/RNG
-        checkpoint helpers, create_model_card, init_hf_repo), as of transformers 5.18-5.24: `Trainer.__init__` is
-        never run, so they are set here, in one place."""
-        args = self.args
-        self.current_flos = 0
-        self.hp_search_backend = None
-        self.is_deepspeed_enabled, self.is_fsdp_enabled = self.backend.deepspeed, self.backend.fsdp
-        self.is_distributed_loading_by_transformers = False  # read by Trainer._save on non-zero ranks
-        self.is_fsdp_xla_v1_enabled = False  # read by Trainer._load_optimizer_and_scheduler
-        self.hub_model_id = None
-        if args.push_to_hub:
-            self.init_hf_repo()
-        if args.should_save:
-            os.makedirs(args.output_dir, exist_ok=True)
-
-    def _setup_dataloaders(self, train_dataset, eval_dataset, data_collator) -> None:
-        """The rollout dataloader (one seeded permutation per data epoch, shared by all processes, each taking its
-        slice) and each process's share of eval_dataset."""
-        args, accelerator = self.args, self.accelerator
-        self.prompt_batches = PromptBatches(self.train_dataset_len, args.local_batch_size, accelerator.num_processes,
-                                            accelerator.process_index, args.seed,
-                                            num_generations=args.num_generations)
-        # (its own generator: creating the iterator must not draw from the global RNG that sampling uses)
-        self.dataloader = DataLoader(train_dataset, batch_sampler=self.prompt_batches, collate_fn=data_collator,
-                                     generator=torch.Generator().manual_seed(args.seed))
-        self.eval_dataloader = None
-        if eval_dataset is not None:
-            # each process evaluates its own share of the prompts, in order; its own generator so that iterating
-            # it never draws from the training RNG
-            shard = torch.utils.data.Subset(eval_dataset, range(accelerator.process_index, len(eval_dataset),
-                                                                accelerator.num_processes))
-            if len(shard) == 0:
-                raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts, fewer than the "
-                                 f"{accelerator.num_processes} processes; add prompts.")
-            if self.backend.params_sharded and len(eval_dataset) % accelerator.num_processes:
-                raise ValueError(f"eval_dataset has {len(eval_dataset)} prompts for {accelerator.num_processes} "
-                                 "processes: with sharded parameters (ZeRO-3, FSDP) every process must run the same "
-                                 "forward passes, so use a multiple of the process count (drop or add prompts).")
-            self.eval_dataloader = DataLoader(shard, batch_size=args.per_device_eval_batch_size,
-                                              collate_fn=data_collator, generator=torch.Generator().manual_seed(0))
-
-    def _prepare_models(self) -> None:
-        """`accelerate.prepare` of the trained module and its optimizer, through the backend."""
-        self.backend.prepare(self.unwrapped, self.optimizer, self.args)
-        self.model, self.optimizer = self.backend.model, self.backend.optimizer
-        self.group_roles = self.backend.group_roles
-
-    def _place_frozen_models(self) -> None:
-        """The reference and the reward models on the training device (DeepSpeed: wrapped for inference); then
-        which model acts as the reference (`Reference`)."""
-        for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):
-            for name, module in scorer.models.items():
-                placed = self.backend.place_frozen(module)
-                if placed is not module:
-                    scorer.replace_model(name, placed)
-        if self.ref_model is not None:
-            self.ref_model = self.backend.place_frozen(self.ref_model)
-        self.reference = Reference(self.ref_model, self.shared, self.is_peft_model, self.ref_adapter_name,
-                                   self.model_adapter_name, self.args.temperature)
-
-    def _setup_trunk(self) -> None:
-        """The critic's frozen lower layers run once per rollout, not again in each minibatch (`FrozenTrunk`); not
-        with a shared base (one backbone for both roles) or under DeepSpeed/FSDP (their engines own the layers).
-        Where the reference holds those same weights (a critic built from the policy's checkpoint, the reference the
-        policy with its adapter off or a copy), the reference pass computes their output and they never run."""
-        self.trunk_from_reference = None  # the reference's layer whose output is the critic's trunk output
-        if self.shared is not None or self.backend.deepspeed or self.backend.fsdp:
-            return
-        self.unwrapped.trunk = trunk = FrozenTrunk.of(self.unwrapped.value_model)
-        reference = self.ref_model if self.ref_model is not None else self.unwrapped.policy
-        if trunk is None or self.ref_adapter_name or not trunk.same_weights_as(reference):
-            return
-        layer = trunk.reference_layer(reference)
-        # the same numbers on the reference's real path (its adapter disabled, its precision) or not at all
-        inputs, responses = probe_batch(self.policy_model.config.vocab_size, self.accelerator.device)
-        with torch.no_grad(), self.accelerator.autocast():
-            with trunk.capture(layer) as captured:
-                self.reference.logprobs(self.unwrapped.policy, inputs, responses)
-            own = trunk.hidden_states(inputs)
-        if len(captured) == 1 and torch.allclose(captured[0].float(), own.float(), atol=1e-5, rtol=1e-4):
-            self.trunk_from_reference = layer
-
-    def _setup_vllm(self):
-        """The colocated vLLM engine of `use_vllm`, or the vLLM servers of vllm_mode='server'
-        (trl_ext/trainer/sampling.py)."""
-        if self.args.vllm_mode == "server":
-            adapter = POLICY if self.shared is not None else self.model_adapter_name
-            return server_vllm(self.args, self.unwrapped.policy, self.processing_class, self.sampling,
-                               self.accelerator.device, self.backend.params_sharded, self.accelerator, adapter)
-        whole_policy = self.shared is None and not self.backend.params_sharded
-        return colocated_vllm(self.args, self.unwrapped.policy, self.processing_class, self.sampling,
-                              self.accelerator.device, whole_policy, self.local_seed, self.accelerator.num_processes)
-
-    def _setup_phases(self) -> None:
-        """The phases of an iteration, each given only what it uses: the sampler (every draw of responses), the
-        rollout (steps 1-7), the update (step 8) and the evaluator; `phases` announces them (progress, benchmarks)."""
-        args = self.args
-        self.phases = Phases()
-        self.sampler = ResponseSampler(self.backend, self.reference, self.sampling, self.processing_class.pad_token_id,
-                                       args.local_rollout_forward_batch_size, args.ds3_gather_for_generation,
-                                       self.local_seed, self.vllm)
-        self.rollout_phase = RolloutPhase(args, self.backend, self.sampler, self.reference, self.reward_scorer,
-                                          self.reward_normalizer, self.stop_token_id, self.phases,
-                                          self.trunk_from_reference, more_prompts=self._more_prompts,
-                                          multi_turn=self.multi_turn)
-        self.update_phase = PPOUpdate(args, self.backend)
-        self.evaluator = Evaluator(args, self.backend, self.sampler, self.reference, self.reward_scorer,
-                                   self.eval_scorer, self.processing_class, self.eval_dataloader)
-
-    def _setup_async(self):
-        """The sampler of async_rollouts (trl_ext/trainer/async_rollouts.py): HF generate on a copy of the policy in
-        a thread of its own, or the vLLM servers of vllm_mode='server'."""
-        if self.vllm is None:
-            if self.shared is not None or self.backend.params_sharded:
-                raise ValueError("async_rollouts=True with HF generate samples with a copy of the policy that "
-                                 "each process holds whole: not a shared 4-bit base, ZeRO-3 or FSDP (their "
-                                 "weights are shared or sharded). Use vllm_mode='server', a separate policy with "
-                                 "DDP or ZeRO-2, or async_rollouts=False.")
-            return ThreadSampler(self.sampler, self.unwrapped.policy)
-        if self.args.vllm_mode != "server":
-            raise ValueError("async_rollouts=True with vllm_mode='colocate': the colocated engine shares the "
-                             "trainer's device and process; use vllm_mode='server' (the sampler on GPUs or cores "
-                             "of its own), or use_vllm=False (HF generate in a thread of its own).")
-        if not self.vllm.is_peft:
-            raise ValueError("async_rollouts=True with vllm_mode='server' keeps the policy versions still drawn "
-                             "with side by side on the server, as LoRA adapters: train a LoRA policy (peft_config), "
-                             "or use_vllm=False.")
-        return ServerSampler(self.sampler)
-
     # ------------------------------------------------------------------------------------------------ helpers
-    @staticmethod
-    def _check_shared_base(args: PPOConfig, ref_model, value_model, peft_config) -> None:
-        if peft_config is not None:
-            raise ValueError("A shared-base model already carries its adapters: pass peft_config=None (give the "
-                             "LoraConfigs to build_shared_base).")
-        if ref_model is not None:
-            raise ValueError("With a shared-base model the reference is the base with its adapters disabled: pass "
-                             "ref_model=None.")
-        if value_model is not None or args.value_model_init != "given":
-            raise ValueError("With a shared-base model the critic is its 'critic' adapter and value head: pass "
-                             "value_model=None and leave value_model_init at 'given'.")
-        if args.ref_adapter_name:
-            raise ValueError(f"ref_adapter_name={args.ref_adapter_name!r} is not used with a shared-base model (the "
-                             "reference is the base with adapters disabled): unset it.")
-
-    def _reward_model_for_critic(self):
-        """The reward model value_model_init="reward_model" copies: the one reward model, which must read the
-        policy's token ids (the critic reads them through its embedding table)."""
-        models = self.reward_scorer.models
-        if not models:
-            raise ValueError("value_model_init='reward_model' needs a reward *model*; the rewards are functions. Use "
-                             "value_model_init='policy' or pass a value_model.")
-        if len(models) != 1:
-            raise ValueError(f"value_model_init='reward_model' copies the reward model, but the rewards hold "
-                             f"{len(models)} models ({list(models)}): pass a value_model (e.g. a copy of the one to "
-                             "start from), or use value_model_init='policy'.")
-        (name, reward_model), = models.items()
-        if not has_score_head(reward_model):
-            raise ValueError(f"value_model_init='reward_model' copies {name!r}, but it has no `score` head (a "
-                             "module that scores whole rows): a critic needs a value at every token. Use "
-                             "value_model_init='policy' or pass a value_model.")
-        own = self.reward_scorer.tokenizer_of(name)
-        if own is not None and own.get_vocab() != self.processing_class.get_vocab():
-            raise ValueError(f"value_model_init='reward_model' copies {name!r}, which has its own tokenizer with "
-                             "another vocabulary: the critic reads the policy's token ids, which mean other tokens in "
-                             "its embedding table. Use value_model_init='policy', or pass a value_model that shares "
-                             "the policy's tokenizer.")
-        return reward_model
-
     def create_optimizer(self, model=None):
         """Trainer's optimizer, each of its parameter groups split into the policy's and the value model's (tagged
         "role"; the value groups at `critic_learning_rate` if set): critic warmup under DeepSpeed freezes the policy's
