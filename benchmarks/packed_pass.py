@@ -59,28 +59,27 @@ def main() -> None:
 
     from trl_ext.data.batches import token_budget_groups
     from trl_ext.embedded import smollm2_path
-    from trl_ext.models import Packing, response_logprobs
+    from trl_ext.models import Packing, Padded
 
     tok = bench._smollm2_tokenizer()
     dataset = bench._opinion_dataset(tok, 64)
     model = AutoModelForCausalLM.from_pretrained(smollm2_path(), dtype=torch.float32)
     print(f"{bench.hardware('cpu')}, torch {torch.__version__}, {torch.get_num_threads()} threads")
     for name, (batch, T, chat) in SHAPES.items():
-        inputs, responses, mask = rows(tok, dataset, batch, T, chat)
+        inputs, _, mask = rows(tok, dataset, batch, T, chat)
         packing = Packing.of(inputs, mask)
         lengths = inputs["attention_mask"].sum(1).tolist()
         groups = token_budget_groups(lengths, BUDGET)  # consecutive rows of at most BUDGET tokens, one pass each
         split = [(slice(g[0], g[-1] + 1), Packing.of({k: v[g[0] : g[-1] + 1] for k, v in inputs.items()},
                                                      mask[g[0] : g[-1] + 1])) for g in groups]
-        runs = {"padded": [(slice(None), None)], "padding-free": [(slice(None), packing)],
+        runs = {"padded": [(slice(None), Padded.of(inputs, mask))], "padding-free": [(slice(None), packing)],
                 f"padding-free, at most {BUDGET} tokens a pass": split}
         times = {k: [] for k in runs}
         for repeat in range(6):  # the first a warm-up
             for k, passes in runs.items():
                 start = time.perf_counter()
-                for rows_, pack in passes:
-                    part = {name: v[rows_] for name, v in inputs.items()}
-                    (response_logprobs(model, part, responses[rows_], 1.0, pack) * mask[rows_]).sum().backward()
+                for rows_, layout in passes:
+                    (layout.model_logprobs(model, 1.0) * mask[rows_]).sum().backward()
                 if repeat:
                     times[k].append(time.perf_counter() - start)
         padded = statistics.median(times["padded"])

@@ -121,3 +121,50 @@ def test_no_import_points_up_the_layers():
     assert ("trl_ext.trainer.update", "trl_ext.core.types") in imports  # the walk sees relative imports
     upward = sorted(f"{a} -> {b}" for a, b in imports if layer(b.rstrip(".")) > layer(a))
     assert not upward, upward
+
+
+def test_the_trainer_keeps_the_trl_facing_api_and_the_iteration():
+    """Set-up lives in builders.py, saving and resuming in checkpoint.py, each phase in its own file."""
+    lines = len((PACKAGE / "trainer" / "ppo_trainer.py").read_text().splitlines())
+    assert lines <= 600, f"trainer/ppo_trainer.py has {lines} lines: move what is not the TRL API or the iteration"
+
+
+# Each optional feature: how code asks for it, and its own room (where branching on it is the point).
+FEATURES = {
+    "shared base": (r"\bshared\b", {"trainer/backend.py", "models/shared_base.py"}),
+    "padding-free": (r"padding_free|packing is (not )?None", {"models/packing.py"}),
+    "async rollouts": (r"async_rollouts|async_engine", {"trainer/async_rollouts.py"}),
+    "multi-turn": (r"multi_turn", {"trainer/multi_turn.py"}),
+    "vLLM": (r"use_vllm|vllm_mode|\.vllm\b", {"trainer/sampling.py", "models/vllm_sampler.py",
+                                             "models/vllm_server.py"}),
+    "engine": (r"\.deepspeed\b|\.fsdp\b|params_sharded", {"trainer/backend.py"}),
+}
+# where features are chosen once: the config's checks, the builders, and any __init__ or _setup* method
+CHOSEN_ONCE = {"config.py", "trainer/builders.py"}
+
+
+def _branches(pattern: str) -> dict[str, list[int]]:
+    """{file: lines} of the training path (the planner in tools/ and the recipes' scripts/ model every layout by
+    design) where an if/elif/while or conditional expression asks for `pattern`, outside set-up."""
+    found = {}
+    for path in PACKAGE.rglob("*.py"):
+        name = path.relative_to(PACKAGE).as_posix()
+        if name in CHOSEN_ONCE or name.split("/")[0] in ("tools", "scripts"):
+            continue
+        source = path.read_text()
+        tree = ast.parse(source)
+        setup = [(f.lineno, f.end_lineno) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
+                 and (f.name == "__init__" or f.name.startswith("_setup"))]
+        for node in ast.walk(tree):
+            if isinstance(node, (ast.If, ast.While, ast.IfExp)):
+                test = ast.get_source_segment(source, node.test) or ""
+                if re.search(pattern, test) and not any(a <= node.lineno <= b for a, b in setup):
+                    found.setdefault(name, []).append(node.lineno)
+    return found
+
+
+def test_each_optional_feature_is_branched_on_in_at_most_two_files_outside_its_room():
+    assert "trainer/rollout.py" in _branches(FEATURES["multi-turn"][0])  # the scan sees a real branch
+    for feature, (pattern, room) in FEATURES.items():
+        outside = {f: lines for f, lines in _branches(pattern).items() if f not in room}
+        assert len(outside) <= 2, f"{feature} is branched on in {len(outside)} files outside {room}: {outside}"

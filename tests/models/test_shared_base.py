@@ -16,6 +16,7 @@ from trl_ext.models import (
     CRITIC,
     POLICY,
     REWARD,
+    Padded,
     build_shared_base,
     disable_bnb_cpu_repack,
     response_logprobs,
@@ -301,8 +302,8 @@ def test_trainer_shared_losses_with_checkpointing_equal_those_without(tmp_path):
     def grads():
         for p in shared.trainable_parameters():
             p.grad = None
-        t.update_phase.micro_batch_losses(inputs, r, critic_only=False, denominator=None, loss_scale=1.0,
-                                          vf_coef=t.vf_coef)
+        t.update_phase.micro_batch_losses(Padded.of(inputs, r.response_mask), r, critic_only=False,
+                                          denominator=None, loss_scale=1.0, vf_coef=t.vf_coef)
         return [p.grad.clone() for p in shared.trainable_parameters()]
 
     calls = []

@@ -72,10 +72,9 @@ def train(tmp_path, layout="full", **kw):
     original_rollout, original_losses = trainer.rollout, trainer.update_phase.micro_batch_losses
     trainer.rollout = lambda *a, **k: rollouts.append(original_rollout(*a, **k)) or rollouts[-1]
 
-    def losses(inputs, micro, *a):
-        packing = a[4] if len(a) == 5 else None
-        tokens.append(packing.num_tokens if packing is not None else int(inputs["attention_mask"].sum()))
-        return original_losses(inputs, micro, *a)
+    def losses(rows, micro, *a):
+        tokens.append(rows.num_tokens if isinstance(rows, Packing) else int(rows.inputs["attention_mask"].sum()))
+        return original_losses(rows, micro, *a)
 
     trainer.update_phase.micro_batch_losses = losses
     trainer.train()

@@ -3,7 +3,8 @@
     forward.py       forward passes with real attention masks; log-probs of the response tokens
     generation.py    sampling from the policy as is (`TokenSampler`), `generate_responses`
     vllm_sampler.py  the colocated vLLM engine as a sampler, with the weight sync
-    packing.py       padding-free forwards: a batch's real tokens as one sequence (`Packing`), and back
+    packing.py       padding-free forwards: a batch's real tokens as one sequence (`Packing`), and back; rows left
+                     padded (`Padded`), the same calls
     value.py         the critic: value heads, the policy+value wrapper, the value model's initialisation, its frozen
                      trunk (`FrozenTrunk`)
     shared_base.py   one base for every role (`build_shared_base`, `SharedBaseModels`)
@@ -22,7 +23,7 @@ from .forward import (
     sequence_inputs,
 )
 from .generation import Sampling, TokenSampler, eval_mode, generate_responses, generation_config_of, sampling_config
-from .packing import Packing, check_padding_free
+from .packing import Packing, Padded, check_padding_free, row_layout
 from .preparation import (
     CHECKPOINTING_KWARGS,
     FP32Head,
@@ -43,11 +44,11 @@ from .value import (
 )
 
 __all__ = [
-    "CHECKPOINTING_KWARGS", "CRITIC", "FP32Head", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "Packing",
+    "CHECKPOINTING_KWARGS", "CRITIC", "FP32Head", "FrozenTrunk", "LOGPROB_CHUNK", "POLICY", "Packing", "Padded",
     "PolicyAndValueWrapper", "REWARD", "Sampling", "SharedBaseModels", "SharedRoleModel", "TokenSampler",
     "accepts_logits_to_keep", "build_shared_base", "build_value_model", "cast_lm_head_to_fp32", "check_padding_free",
     "disable_bnb_cpu_repack", "disable_dropout", "eval_mode",
     "freeze_backbone", "generate_responses", "generation_config_of", "is_quantized", "lm_logits",
     "lora_for_quantized_value_model", "model_input_ids", "position_ids_from_mask", "probe_batch",
-    "response_logprobs", "sampling_config", "scalar_head_outputs", "sequence_inputs",
+    "response_logprobs", "row_layout", "sampling_config", "scalar_head_outputs", "sequence_inputs",
 ]

@@ -78,14 +78,10 @@ def sequence_inputs(queries, query_mask, responses, response_mask) -> dict[str, 
             "position_ids": position_ids_from_mask(attention_mask)}
 
 
-def response_logprobs(model: nn.Module, inputs: dict, responses: torch.Tensor, temperature: float,
-                      packing=None) -> torch.Tensor:
+def response_logprobs(model: nn.Module, inputs: dict, responses: torch.Tensor, temperature: float) -> torch.Tensor:
     """(B, T) fp32 log π(response token) under softmax(logits / temperature), without a (B, T, V) fp32 tensor.
     `inputs` from `sequence_inputs`; the tokens are its last T ids (positions after the stop token hold id 0 there,
-    where `responses` may hold a pad id the model does not have). With a `Packing` of them the forward is
-    padding-free, and the positions after the stop token hold 0."""
-    if packing is not None:
-        return packing.logprobs(lm_logits(model, packing.inputs, packing.keep), temperature)
+    where `responses` may hold a pad id the model does not have). Padding-free: `Packing.model_logprobs`."""
     T = responses.shape[1]
     logits = lm_logits(model, inputs, T + 1)  # (B, T+1, V) or (B, Q+T, V)
     return token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:], temperature, LOGPROB_CHUNK)

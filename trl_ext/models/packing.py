@@ -6,7 +6,9 @@ that restart at 0 in each row and no attention mask: transformers then builds at
 position ids alone (FlashAttention varlen on GPUs; sdpa and eager take a block-diagonal mask). The outputs come back
 into the padded layout (`unpack`, zeros at padding) or, for the positions that predict response tokens
 (`keep`: R of them, one per real response token), straight to (B, T) (`responses`), so no (B, T, V) logits are
-built. `check_padding_free` runs a model both ways once and refuses one whose attention ignores the position ids.
+built. `Padded` answers the same calls for rows left padded (each a no-op or a slice), so the rollout and the
+update pick one of the two once (`row_layout`) and never branch on `padding_free`. `check_padding_free` runs a model
+both ways once and refuses one whose attention ignores the position ids.
 
 Shapes: B = rows, L = Q + T, N = real tokens of the rows, R = real response tokens.
 """
@@ -19,7 +21,7 @@ import torch
 import torch.nn as nn
 
 from ..core import token_logprobs
-from .forward import LOGPROB_CHUNK, _underlying, position_ids_from_mask
+from .forward import LOGPROB_CHUNK, _underlying, lm_logits, position_ids_from_mask
 from .value import probe_batch
 
 
@@ -80,6 +82,69 @@ class Packing:
     def last_tokens(self, x: torch.Tensor) -> torch.Tensor:
         """(1, N, ...) -> (B, ...): each row's last real token."""
         return x[0, self.lengths.cumsum(0) - 1]
+
+    # the calls `Padded` answers too
+    @property
+    def token_ids(self) -> torch.Tensor:
+        """(1, R): the response tokens the `keep` positions predict."""
+        return self.targets[None]
+
+    def response_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The logits a forward with logits_to_keep=`keep` returned: (1, R, V), already those of the responses."""
+        return logits
+
+    def per_response(self, x: torch.Tensor) -> torch.Tensor:
+        """(1, R) per-token values of `response_logits` -> (B, T), zeros after each row's stop token."""
+        return self.responses(x[0])
+
+    def model_logprobs(self, model: nn.Module, temperature: float) -> torch.Tensor:
+        """(B, T) fp32 log-probs of the response tokens under `model`, from one packed forward."""
+        return self.logprobs(lm_logits(model, self.inputs, self.keep), temperature)
+
+
+class Padded:
+    """Rows left as they are, (B, L) with the last T columns the response (`padding_free=False`): `Packing`'s calls,
+    each a no-op or a slice. `inputs`: `sequence_inputs`' (None where only the losses run: `of_rollout`); `token_ids`
+    the (B, T) response ids the model reads (id 0 after the stop token)."""
+
+    def __init__(self, inputs: dict | None, token_ids: torch.Tensor):
+        self.inputs, self.token_ids = inputs, token_ids
+        self.T = token_ids.shape[1]
+        self.keep = self.T + 1  # logits_to_keep: the T positions that predict response tokens, and the last
+
+    @staticmethod
+    def of(inputs: dict, response_mask: torch.Tensor | None = None) -> Padded:
+        """`Packing.of`'s counterpart: the rows of `sequence_inputs`' inputs, the last T columns the response."""
+        return Padded(inputs, inputs["input_ids"][:, -response_mask.shape[1]:])
+
+    def pack(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def unpack(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def response_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """(B, T+1 or L, V) -> (B, T, V): the positions that predict the response tokens."""
+        return logits[:, -self.T - 1 : -1]
+
+    def per_response(self, x: torch.Tensor) -> torch.Tensor:
+        return x
+
+    def logprobs(self, logits: torch.Tensor, temperature: float) -> torch.Tensor:
+        """(B, T+1 or L, V) logits -> (B, T) fp32 log-probs of the response tokens."""
+        return token_logprobs(self.response_logits(logits), self.token_ids, temperature, LOGPROB_CHUNK)
+
+    def values(self, x: torch.Tensor) -> torch.Tensor:
+        """(B, L) per-position outputs -> (B, T): at the position before each response token."""
+        return x[:, -self.T - 1 : -1]
+
+    def model_logprobs(self, model: nn.Module, temperature: float) -> torch.Tensor:
+        return self.logprobs(lm_logits(model, self.inputs, self.keep), temperature)
+
+
+def row_layout(padding_free: bool):
+    """How the rollout and the update lay rows out for the models, chosen once: `Packing.of` or `Padded.of`."""
+    return Packing.of if padding_free else Padded.of
 
 
 def check_padding_free(model: nn.Module, role: str, forward) -> None:

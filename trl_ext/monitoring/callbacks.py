@@ -66,6 +66,15 @@ class MetricsFileCallback(TrainerCallback):
         append_jsonl(path, [record])
 
 
+def sample_records(rollout, tokenizer, step: int, max_rows: int = 4) -> list[dict]:
+    """The first `max_rows` prompts, completions (the model's tokens, decoded) and scores of a rollout, for
+    samples.jsonl."""
+    decode = lambda ids: tokenizer.decode(ids, skip_special_tokens=True)  # noqa: E731
+    return [{"step": step, "prompt": decode(rollout.queries[i][rollout.query_mask[i]]),
+             "completion": decode(rollout.responses[i][rollout.input_mask[i]]), "score": rollout.scores[i].item()}
+            for i in range(min(max_rows, len(rollout)))]
+
+
 def append_jsonl(path: str | os.PathLike, records: list[dict]) -> None:
     """Append records to a JSON-lines file (created with its folder if missing)."""
     os.makedirs(os.path.dirname(os.fspath(path)) or ".", exist_ok=True)

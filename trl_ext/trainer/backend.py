@@ -36,7 +36,7 @@ from torch import nn
 from transformers.integrations.deepspeed import is_deepspeed_zero3_enabled
 
 from ..data.batches import token_budget_groups
-from ..models import SharedBaseModels, is_quantized, response_logprobs
+from ..models import SharedBaseModels, is_quantized
 
 
 def deepspeed_batch_config(ds_config: dict, micro_batch: int, accumulation: int, processes: int,
@@ -397,6 +397,17 @@ class Backend:
         if self.num_processes > 1:
             self.accelerator.wait_for_everyone()
 
+    def any_process(self):
+        """Several processes: (a flag on this process) -> whether any process has it set (a collective every process
+        calls as often); one process: None (nothing to ask)."""
+        if self.num_processes == 1:
+            return None
+
+        def any_set(flag: bool) -> bool:
+            return bool(self.sum_over_processes(torch.tensor(float(flag), device=self.device)).item())
+
+        return any_set
+
     # ------------------------------------------------------------------------------------------------ the step
     def backward(self, loss: torch.Tensor) -> None:
         """accelerate's backward, except under DeepSpeed: accelerate's DeepSpeed backward also steps the engine,
@@ -628,12 +639,12 @@ class Reference:
             with policy.disable_adapter() if self.is_peft else nullcontext():
                 yield
 
-    def logprobs(self, policy: nn.Module, inputs: dict, responses: torch.Tensor, packing=None) -> torch.Tensor:
-        """(B, T) fp32 reference log-probs of the response tokens (padding-free with a `Packing` of `inputs`)."""
+    def logprobs(self, policy: nn.Module, rows) -> torch.Tensor:
+        """(B, T) fp32 reference log-probs of the response tokens of `rows` (`Padded` or `Packing`)."""
         if self.model is not None:
-            return response_logprobs(self.model, inputs, responses, self.temperature, packing)
+            return rows.model_logprobs(self.model, self.temperature)
         with self.context(policy):
-            return response_logprobs(policy, inputs, responses, self.temperature, packing)
+            return rows.model_logprobs(policy, self.temperature)
 
     def generation_model(self, policy: nn.Module):
         """(model, context) that samples as the reference."""

@@ -26,6 +26,7 @@ from ..data.prompts import LeftPaddingCollator, prepare_prompts
 from ..models import (
     POLICY,
     FrozenTrunk,
+    Padded,
     SharedBaseModels,
     build_value_model,
     cast_lm_head_to_fp32,
@@ -410,7 +411,7 @@ def trunk_from_reference(args, backend, shared, unwrapped, ref_model, reference,
     inputs, responses = probe_batch(vocab_size, device)
     with torch.no_grad(), backend.accelerator.autocast():
         with trunk.capture(layer) as captured:
-            reference.logprobs(unwrapped.policy, inputs, responses)
+            reference.logprobs(unwrapped.policy, Padded.of(inputs, responses))
         own = trunk.hidden_states(inputs)
     if len(captured) == 1 and torch.allclose(captured[0].float(), own.float(), atol=1e-5, rtol=1e-4):
         return layer

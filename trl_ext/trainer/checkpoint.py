@@ -17,9 +17,9 @@ and a run that does not resume moves every checkpoint there (`abandon_after`), s
 run resumed or started, never another. After a blow-up, `WeightGrowth` tells which checkpoints were saved before it
 began (`recovery_advice`).
 
-The trainer writes the files (`PPOTrainer._save_checkpoint`, with transformers' own optimizer/RNG writers) inside
-`staged`, and resumes with `choose_checkpoint`, `read_state`, `check_layout`, `check_compatible`,
-`load_trained_weights` and `changed_settings`.
+`Checkpoints` is the run's room: it writes the files inside `staged` (with transformers' own optimizer/RNG writers,
+through the trainer) and resumes with `choose_checkpoint`, `read_state`, `check_layout`, `check_compatible`,
+`load_trained_weights` and `changed_settings`; the trainer calls `save`, `resume` and `start_timeline`.
 """
 
 from __future__ import annotations
@@ -34,10 +34,17 @@ import time
 from contextlib import contextmanager
 
 import torch
+from accelerate.utils import broadcast_object_list
 from safetensors import SafetensorError
 from safetensors.torch import load_file
-from transformers.trainer_utils import rotate_checkpoints
+from transformers.trainer import SCHEDULER_NAME
+from transformers.trainer_callback import ExportableState
+from transformers.trainer_utils import rotate_checkpoints, set_seed
 from transformers.utils import is_peft_available
+
+from .._trl import OnlineTrainerState
+from .async_rollouts import load_drawn, save_drawn
+from .seeds import regrown_process_seed
 
 TRL_EXT_STATE = "trl_ext_state.json"
 VALUE_MODEL_DIR = "value_model"
@@ -489,3 +496,183 @@ def _is_peft_model(model) -> bool:
     from peft import PeftModel
 
     return isinstance(model, PeftModel)
+
+
+# ------------------------------------------------------------------------------------------------ the run's room
+class Checkpoints:
+    """Saving and resuming one PPO run: everything a run carries goes into `checkpoint-N` (`save`) and comes back
+    from it (`resume`), on as many processes as saved it or, where its state is whole, on another number; a run that
+    does not resume starts the timeline of `output_dir` afresh (`start_timeline`).
+
+    `save` and `resume` take the trainer for the state it holds (step, callbacks, β, the reward normalizer, the
+    async draws) and for transformers' own writers and readers of the optimizer, scheduler, RNG and model files."""
+
+    def __init__(self, args, backend):
+        self.args, self.backend, self.accelerator = args, backend, backend.accelerator
+
+    def layout(self) -> dict:
+        """How this run's processes hold a checkpoint's state (`layout_record`)."""
+        engine = self.backend.checkpoint_engine()
+        per_process = engine["per_process"]
+        if self.args.async_rollouts and per_process is None:
+            per_process = "async_rollouts saved each process's own draws"
+        return layout_record(self.accelerator.num_processes, engine, per_process)
+
+    def settings(self, trainer) -> dict:
+        """The settings a resumed run must share with the checkpoint (`run_settings`)."""
+        return run_settings(self.args, trainer.unwrapped, trainer.train_dataset_len, trainer.is_peft_model,
+                            trainer.shared is not None)
+
+    def save(self, trainer) -> None:
+        """Write `checkpoint-N` atomically (into `checkpoint-N.partial`, then one rename: `staged`), and the model
+        card (`output_dir/README.md`), as TRL does. Refused while the trained weights hold NaN/inf."""
+        args, state, main = self.args, trainer.state, self.accelerator.is_main_process
+        if not self.backend.trained_weights_finite():  # on every process: a collective under several
+            raise CheckpointError(
+                f"checkpoint-{state.global_step} is not written: the trained weights or the optimizer's state "
+                "hold NaN/inf (with on_nonfinite the optimizer never steps on a non-finite gradient, so a step with "
+                f"finite gradients overflowed them: learning_rate={args.learning_rate:g} is likely too high). "
+                + recovery_advice(args.output_dir, trainer.weight_growth))
+        if main:
+            trainer._write_model_card()
+        with staged(args.output_dir, state.global_step, self.backend, args.save_total_limit) as folder:
+            if trainer.shared is not None:  # its policy and critic adapters and value head
+                trainer.save_model(folder, _internal_call=True)
+            else:  # the policy (its adapter, with peft) and the value model
+                trainer._save_roles(folder, with_value_model=True)
+            # the optimizer and scheduler (DeepSpeed: its engine checkpoint, with the weights; FSDP2: its own files)
+            trainer._save_optimizer_and_scheduler(folder)
+            trainer._save_rng_state(folder)
+            if trainer.async_rollouts is not None:  # the draws made with versions older than this checkpoint
+                save_drawn(folder, self.accelerator.process_index, trainer.async_rollouts.state(state.global_step))
+            if main:
+                callbacks = trainer.callback_handler.callbacks + [trainer.control]
+                for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
+                    state.stateful_callbacks[cb.__class__.__name__] = cb.state()
+                state.save_to_json(os.path.join(folder, "trainer_state.json"))
+                write_state(folder, trainer.kl_ctl, trainer.reward_normalizer, self.settings(trainer), self.layout(),
+                            self.accelerator.scaler, args.to_dict(),
+                            trainer={"critic_warmup_ended": trainer.critic_warmup_ended,
+                                     "weight_growth": trainer.weight_growth.state_dict()})
+
+    def resume(self, trainer, resume_from_checkpoint: str | bool) -> None:
+        """Restore everything a PPO run carries from a checkpoint written by `save`: the one given or the newest
+        intact one, its files verified (`choose`), on as many processes as saved it or, where its state is whole, on
+        another number (`check_layout`; the random streams re-derived: `_reseed`); the config's changes applied or
+        refused by name (`_apply_changed_settings`)."""
+        backend, optimizer, scheduler = self.backend, trainer.optimizer, trainer.lr_scheduler
+        checkpoint = self.choose(resume_from_checkpoint)
+        saved, current = read_state(checkpoint), self.layout()
+        layout = saved_layout(saved)
+        regrown = check_layout(layout, current, checkpoint)  # before anything loads
+        check_compatible(saved["settings"], self.settings(trainer), checkpoint)
+        fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in scheduler.optimizer.param_groups]
+        scheduler_file = os.path.join(checkpoint, SCHEDULER_NAME)
+        if layout["files"] not in (None, current["files"]):  # another engine's whole files (check_layout)
+            backend.load_whole_files(checkpoint, layout, optimizer, trainer.is_peft_model)
+            scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        elif backend.fsdp:  # not strict: a checkpoint from the critic warmup holds no state for the policy
+            backend.load_engine_checkpoint(checkpoint)
+            backend.load_fsdp2_optimizer(optimizer, checkpoint)
+            scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
+        else:
+            if not backend.load_engine_checkpoint(checkpoint):
+                load_trained_weights(trainer.unwrapped, checkpoint, trainer.is_peft_model, trainer.shared)
+            trainer._load_optimizer_and_scheduler(checkpoint)
+        trainer._resumed_draws = load_drawn(checkpoint, self.accelerator.process_index)  # async_rollouts' draws
+        trainer.kl_ctl.load_state_dict(saved["kl_controller"])
+        trainer.reward_normalizer.load_state_dict(saved["reward_normalizer"])
+        trainer.critic_warmup_ended = saved.get("trainer", {}).get("critic_warmup_ended", False)
+        trainer.weight_growth.load_state_dict(saved.get("trainer", {}).get("weight_growth", {}))
+        if self.accelerator.scaler is not None and "grad_scaler" in saved:  # fp16: the loss scale reached
+            self.accelerator.scaler.load_state_dict(saved["grad_scaler"])
+        restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
+        for name in ("global_step", "episode", "epoch", "log_history", "total_flos"):
+            setattr(trainer.state, name, getattr(restored, name))
+        if regrown:
+            self._reseed(checkpoint, layout["world_size"], trainer.state.global_step)
+        else:
+            trainer._load_rng_state(checkpoint)
+        for cb in trainer.callback_handler.callbacks:  # e.g. the alarms' episode state
+            saved_state = restored.stateful_callbacks.get(cb.__class__.__name__)
+            if isinstance(cb, ExportableState) and isinstance(saved_state, dict) and hasattr(cb, "load_state"):
+                cb.load_state(saved_state)
+        self._apply_changed_settings(trainer, saved.get("config", {}), fresh_groups, checkpoint)
+
+    def choose(self, resume_from_checkpoint: str | bool) -> str:
+        """The checkpoint to resume from, its files verified on the main process (`choose_checkpoint`) and the
+        choice shared with every process; the later checkpoints of the run it gives up are moved into
+        `output_dir/abandoned/`."""
+        output_dir = self.args.output_dir
+        outcome = [None]
+        if self.accelerator.is_main_process:
+            try:
+                checkpoint, skipped = choose_checkpoint(resume_from_checkpoint, output_dir)
+                for folder, problem in skipped:
+                    print(f"[trl_ext] not resuming from {folder}: {problem}")
+                moved = abandon_after(output_dir, step_of(checkpoint)) if in_folder(checkpoint, output_dir) else []
+                if moved:
+                    print(f"[trl_ext] resuming from {checkpoint}: the later checkpoints (of the run given up, or "
+                          f"damaged) are moved aside, to {', '.join(moved)}")
+                outcome = [("ok", checkpoint)]
+            except CheckpointError as e:
+                outcome = [("error", str(e))]
+        if self.accelerator.num_processes > 1:
+            broadcast_object_list(outcome)
+        kind, value = outcome[0]
+        if kind == "error":
+            raise CheckpointError(value)
+        return value
+
+    def start_timeline(self) -> None:
+        """A run that does not resume starts the timeline of `output_dir` afresh: the checkpoints there (an earlier
+        run's) move into `output_dir/abandoned/`, so `resume_from_checkpoint=True` later continues this run."""
+        if self.accelerator.is_main_process:
+            moved = abandon_after(self.args.output_dir, -1)
+            if moved:
+                print(f"[trl_ext] a new run in {self.args.output_dir} (not resumed): the checkpoints there, of an "
+                      f"earlier run, are moved aside, to {', '.join(moved)}. To continue that run instead, "
+                      "resume from one of them.")
+        self.backend.barrier()
+
+    def _reseed(self, checkpoint: str, saved_processes: int, step: int) -> None:
+        """A resume on another number of processes: each process's random streams (python, numpy, torch: the
+        minibatch order) re-derived from (seed, process, step), as the saved ones belong to other processes."""
+        set_seed(regrown_process_seed(self.args.seed, self.accelerator.process_index, step))
+        if self.accelerator.is_main_process:
+            print(f"[trl_ext] resuming from {checkpoint}, saved by {saved_processes} process(es), on "
+                  f"{self.accelerator.num_processes}: the same global batch of the same prompts goes on; each "
+                  "process's random streams are re-derived from (seed, process, step) (docs/checkpoints.md).")
+
+    def _apply_changed_settings(self, trainer, saved_config: dict, fresh_groups: list[dict], checkpoint: str) -> None:
+        """Config fields changed since the checkpoint: those its state carries (`CONFIG_OVER_STATE`) re-applied over
+        the loaded state — the optimizer's hyperparameters and the schedule's base learning rates, β's controller —
+        and every change printed. (The ones a resume cannot take were refused by `check_compatible`.)"""
+        args = self.args
+        changed = changed_settings(saved_config, args.to_dict())
+        if not changed:
+            return
+        if any(k in changed for k in ("learning_rate", "critic_learning_rate", "weight_decay", "adam_beta1",
+                                      "adam_beta2", "adam_epsilon")):
+            scheduler = trainer.lr_scheduler
+            if not hasattr(scheduler, "lr_lambdas"):
+                raise ValueError(f"Cannot resume from {checkpoint} with a changed optimizer setting "
+                                 f"({sorted(set(changed) & set(CONFIG_OVER_STATE))}): the scheduler "
+                                 f"{type(scheduler).__name__} cannot be re-based. Resume with the checkpoint's values.")
+            for group, fresh, lmbda in zip(scheduler.optimizer.param_groups, fresh_groups, scheduler.lr_lambdas):
+                group.update({k: v for k, v in fresh.items() if k != "lr"})
+                group["lr"] = group["initial_lr"] * lmbda(scheduler.last_epoch)
+            scheduler.base_lrs = [g["initial_lr"] for g in scheduler.optimizer.param_groups]
+            scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
+        if any(k in changed for k in ("kl_coef", "kl_target", "kl_horizon")):
+            state = trainer.kl_ctl.state_dict()
+            if "kl_coef" in changed:
+                state["value"] = args.kl_coef  # β restarts at the new kl_coef
+            if "target" in state:
+                state.update(target=args.kl_target, horizon=args.kl_horizon)
+            trainer.kl_ctl.load_state_dict(state)
+        if self.accelerator.is_main_process:
+            lines = [f"{k}: {old!r} -> {new!r}" + (" (re-applied over the checkpoint's state)" if k in
+                                                   CONFIG_OVER_STATE else "") for k, (old, new) in changed.items()]
+            print(f"[trl_ext] resuming from {checkpoint} with changed settings, which apply from here on: "
+                  + "; ".join(lines))

@@ -15,7 +15,7 @@ from accelerate.utils import gather_object
 from torch.utils.data import DataLoader
 
 from ..data.prompts import LeftPaddingCollator, prepare_prompts
-from ..models import response_logprobs, sequence_inputs
+from ..models import Padded, sequence_inputs
 from ..monitoring.diagnostics import evaluation_metrics
 from .seeds import eval_seed
 
@@ -59,8 +59,9 @@ class Evaluator:
                 inputs = sequence_inputs(queries, query_mask, responses, response_mask)
                 policy = self.backend.unwrap().policy
                 with accelerator.autocast():
-                    logprobs = response_logprobs(policy, inputs, responses, self.args.temperature)
-                    ref_logprobs = self.reference.logprobs(policy, inputs, responses)
+                    padded = Padded.of(inputs, response_mask)
+                    logprobs = padded.model_logprobs(policy, self.args.temperature)
+                    ref_logprobs = self.reference.logprobs(policy, padded)
                     columns = [((logprobs - ref_logprobs) * response_mask).sum(1)]
                     extra = dataset_columns(batch)
                     for scorer in filter(None, (self.reward_scorer, self.eval_scorer)):

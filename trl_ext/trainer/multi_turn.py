@@ -34,6 +34,7 @@ from typing import Any
 import torch
 
 from ..core import real_rows
+from ..data.prompts import LeftPaddingCollator, prepare_prompts
 
 RESERVED_METHODS = ("reset", "get_reward", "step")  # an environment's methods that are not tools
 
@@ -171,6 +172,29 @@ class MultiTurn:
         return functions
 
     # ------------------------------------------------------------------------------------------------ the loop
+    @torch.no_grad()
+    def episodes(self, dataset, generate, backend, batch_size: int) -> list[dict]:
+        """`PPOTrainer.run_episodes`: one episode per row of `dataset` (prompts in any form the trainer takes), the
+        model's turns from `generate`; one dict per row (messages, turns, tool calls and failures, truncated, the
+        environment's reward or None)."""
+        tok, args = self.tokenizer, self.args
+        prepared = prepare_prompts(dataset, tok, args.max_prompt_length, args.prompt_truncation,
+                                   tools=self.prompt_tools).dataset
+        collator = LeftPaddingCollator(tok, [c for c in prepared.column_names if c != "input_ids"])
+        episodes, device = [], backend.device
+        with backend.whole_weights():
+            for start in range(0, len(prepared), batch_size):
+                batch = collator([prepared[i] for i in range(start, min(start + batch_size, len(prepared)))])
+                columns = {k: v for k, v in batch.items() if k not in ("input_ids", "attention_mask")}
+                talk = self.run(batch["input_ids"].to(device), batch["attention_mask"].to(device).bool(), columns,
+                                generate, backend.any_process())
+                for c in talk.rows:  # (the environments go back to the pool: their rewards are read now)
+                    get_reward = getattr(c.environment, "get_reward", None)
+                    episodes.append({"messages": c.messages, "turns": len(c.turn_rewards), "tool_calls": c.tool_calls,
+                                     "tool_failures": c.tool_failures, "truncated": c.truncated,
+                                     "reward": float(get_reward()) if callable(get_reward) else None})
+        return episodes
+
     def run(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict,
             generate: Callable[[list[list[int]], int], list[tuple[list[int], list[float]]]],
             open_anywhere: Callable[[bool], bool] | None = None) -> Conversations:

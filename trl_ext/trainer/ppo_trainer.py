@@ -6,9 +6,10 @@ One PPO iteration (`train()`), in TRL's numbered steps, each phase in its own fi
     stats = self.ppo_update(rollout)              # 8: PPO epochs over minibatches (clipped losses, grad clipping)
     self.log(self.metrics(rollout, stats))        # 9: log over real tokens only
 
-The constructor runs the set-up steps below in order; the phases it builds (`rollout_phase`: rollout.py,
-`update_phase`: update.py, `evaluator`: evaluation.py) each receive only what they use, and every question about the
-engine or the model layout goes to `backend` (backend.py). Saving and resuming: checkpoint.py.
+The constructor calls the set-up builders (builders.py) in order, each returning one collaborator; the phases it
+builds (`rollout_phase`: rollout.py, `update_phase`: update.py, `evaluator`: evaluation.py) each receive only what
+they use, and every question about the engine or the model layout goes to `backend` (backend.py). Saving and
+resuming: `checkpoints` (checkpoint.py).
 
 Shapes: B = rollouts, Q = query length (left-padded), T = response length.
 """
@@ -22,7 +23,6 @@ from pathlib import Path
 
 import torch
 from transformers import Trainer, TrainerControl
-from transformers.trainer import SCHEDULER_NAME
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
 from transformers.trainer_utils import enable_full_determinism, set_seed
 from transformers.utils import is_peft_available
@@ -30,7 +30,6 @@ from transformers.utils import is_peft_available
 from .._trl import OnlineTrainerState, PPOTrainerBase
 from ..config import PPOConfig
 from ..core.types import Rollout, UpdateStats
-from ..data.prompts import LeftPaddingCollator, prepare_prompts
 from ..models import (
     CHECKPOINTING_KWARGS,
     PolicyAndValueWrapper,
@@ -40,7 +39,7 @@ from ..models import (
     sampling_config,
 )
 from ..monitoring.alarms import AlarmCallback
-from ..monitoring.callbacks import SAMPLES_FILE, append_jsonl
+from ..monitoring.callbacks import SAMPLES_FILE, append_jsonl, sample_records
 from ..monitoring.diagnostics import (
     mean_sequence_kl,
     rollout_metrics,
@@ -52,35 +51,15 @@ from ..monitoring.phases import Phases
 from ..monitoring.progress import PPOProgress
 from . import builders as build
 from .allocator import reuse_freed_memory
-from .async_rollouts import AsyncRollouts, load_drawn, save_drawn
+from .async_rollouts import AsyncRollouts
 from .backend import Backend, Reference
-from .checkpoint import (
-    CONFIG_OVER_STATE,
-    VALUE_MODEL_DIR,
-    CheckpointError,
-    WeightGrowth,
-    abandon_after,
-    changed_settings,
-    check_compatible,
-    check_layout,
-    choose_checkpoint,
-    in_folder,
-    layout_record,
-    load_trained_weights,
-    read_state,
-    recovery_advice,
-    run_settings,
-    saved_layout,
-    staged,
-    step_of,
-    write_state,
-)
+from .checkpoint import VALUE_MODEL_DIR, Checkpoints, WeightGrowth, recovery_advice
 from .evaluation import Evaluator, dataset_columns
 from .multi_turn import MultiTurn, RolloutFunction
 from .preemption import Preemption
 from .rollout import RolloutPhase
 from .sampling import ResponseSampler
-from .seeds import extra_draw_seed, process_seed, regrown_process_seed
+from .seeds import extra_draw_seed, process_seed
 from .update import PPOUpdate, vf_coef_at
 
 if is_peft_available():
@@ -166,6 +145,7 @@ class PPOTrainer(PPOTrainerBase):
         if args.num_sample_generations > 0:
             self.sample_generations_freq = max(1, args.num_total_batches // args.num_sample_generations)
         self.backend = Backend(self.accelerator, self.shared, args.max_grad_norm)  # the engine and layout, read once
+        self.checkpoints = Checkpoints(args, self.backend)  # saving and resuming (checkpoint.py)
         self._setup_models()
         build.check_packing(args, longest_prompt, self.policy_model, self.ref_model, self.value_model,
                             self.reward_scorer)
@@ -195,17 +175,12 @@ class PPOTrainer(PPOTrainerBase):
         self._resumed_draws: dict = {}  # what a checkpoint saved of async_rollouts' draws
 
     # ------------------------------------------------------------------------------------------------ setup steps
-    def _frozen_scorer_models(self) -> list[torch.nn.Module]:
-        models = list(self.reward_scorer.models.values())
-        if self.eval_scorer is not None:
-            models += list(self.eval_scorer.models.values())
-        return models
-
     def _setup_models(self) -> None:
         """Dropout off in every model, gradient checkpointing as configured, policy+value as one trained module, the
         optimizer and scheduler."""
         args = self.args
-        for module in [self.policy_model, self.ref_model, self.value_model] + self._frozen_scorer_models():
+        scorers = [m for scorer in filter(None, (self.reward_scorer, self.eval_scorer)) for m in scorer.models.values()]
+        for module in [self.policy_model, self.ref_model, self.value_model] + scorers:
             if isinstance(module, torch.nn.Module):
                 disable_dropout(module)  # nn.Dropout modules and dropout rates held as numbers
                 # bitsandbytes on AVX512-BF16 CPUs: no in-place repacking of 4-bit weights (it breaks LoRA gradients)
@@ -310,23 +285,8 @@ class PPOTrainer(PPOTrainerBase):
         environment's get_reward, None without one)."""
         if not isinstance(self.multi_turn, MultiTurn):
             raise ValueError("run_episodes plays episodes with tools or environment_factory; this trainer has none.")
-        tok, engine = self.processing_class, self.multi_turn
-        prepared = prepare_prompts(dataset, tok, self.args.max_prompt_length, self.args.prompt_truncation,
-                                   tools=engine.prompt_tools).dataset
-        collator = LeftPaddingCollator(tok, [c for c in prepared.column_names if c != "input_ids"])
         generate = self.sampler.turn_generator(self.state.global_step, seed=seed)
-        episodes, device = [], self.accelerator.device
-        with self.backend.whole_weights():
-            for start in range(0, len(prepared), batch_size):
-                batch = collator([prepared[i] for i in range(start, min(start + batch_size, len(prepared)))])
-                talk = engine.run(batch["input_ids"].to(device), batch["attention_mask"].to(device).bool(),
-                                  dataset_columns(batch), generate, self.rollout_phase._open_anywhere())
-                for c in talk.rows:  # (the environments go back to the pool: their rewards are read now)
-                    get_reward = getattr(c.environment, "get_reward", None)
-                    episodes.append({"messages": c.messages, "turns": len(c.turn_rewards), "tool_calls": c.tool_calls,
-                                     "tool_failures": c.tool_failures, "truncated": c.truncated,
-                                     "reward": float(get_reward()) if callable(get_reward) else None})
-        return episodes
+        return self.multi_turn.episodes(dataset, generate, self.backend, batch_size)
 
     # ------------------------------------------------------------------------------------------------ helpers
     def create_optimizer(self, model=None):
@@ -360,11 +320,7 @@ class PPOTrainer(PPOTrainerBase):
         """Append a few of this rollout's prompts, completions and scores to output_dir/samples.jsonl."""
         if not self.is_world_process_zero():
             return
-        tok, n = self.processing_class, min(max_rows, len(rollout))
-        records = [{"step": self.state.global_step,
-                    "prompt": tok.decode(rollout.queries[i][rollout.query_mask[i]], skip_special_tokens=True),
-                    "completion": tok.decode(rollout.responses[i][rollout.input_mask[i]], skip_special_tokens=True),
-                    "score": rollout.scores[i].item()} for i in range(n)]
+        records = sample_records(rollout, self.processing_class, self.state.global_step, max_rows)
         append_jsonl(os.path.join(self.args.output_dir, SAMPLES_FILE), records)
 
     # ------------------------------------------------------------------------------------------------ the phases
@@ -436,9 +392,9 @@ class PPOTrainer(PPOTrainerBase):
         self.model.train()
         self._init_state()
         if resume_from_checkpoint:
-            self._resume(resume_from_checkpoint)
+            self.checkpoints.resume(self, resume_from_checkpoint)
         else:
-            self._start_timeline()
+            self.checkpoints.start_timeline()
         self.weight_growth.observe(self.state.global_step, self.backend.policy_weights_norm())
         self.prompt_batches.start_batch = self.state.global_step  # iteration k uses global batch k
         batches = iter(self.dataloader)
@@ -588,10 +544,6 @@ class PPOTrainer(PPOTrainerBase):
         if with_value_model:
             self.unwrapped.value_model.save_pretrained(os.path.join(folder, VALUE_MODEL_DIR), state_dict=value_state)
 
-    def _run_settings(self) -> dict:
-        return run_settings(self.args, self.unwrapped, self.train_dataset_len, self.is_peft_model,
-                            self.shared is not None)
-
     def _should_evaluate(self) -> bool:
         steps = self.state.eval_steps or self.args.logging_steps
         return (self.eval_dataloader is not None and self.args.eval_strategy != "no"
@@ -610,168 +562,8 @@ class PPOTrainer(PPOTrainerBase):
             self.model = wrapped
 
     def _save_checkpoint(self, model, trial):
-        """Write `checkpoint-N` atomically (trl_ext/trainer/checkpoint.py: into `checkpoint-N.partial`, then one
-        rename), and the model card (`output_dir/README.md`), as TRL does."""
-        main = self.accelerator.is_main_process
-        if not self.backend.trained_weights_finite():  # on every process: a collective under several
-            raise CheckpointError(
-                f"checkpoint-{self.state.global_step} is not written: the trained weights or the optimizer's state "
-                "hold NaN/inf (with on_nonfinite the optimizer never steps on a non-finite gradient, so a step with "
-                f"finite gradients overflowed them: learning_rate={self.args.learning_rate:g} is likely too high). "
-                + recovery_advice(self.args.output_dir, self.weight_growth))
-        if main:
-            self._write_model_card()
-        with staged(self.args.output_dir, self.state.global_step, self.backend, self.args.save_total_limit) as folder:
-            if self.shared is not None:  # its policy and critic adapters and value head
-                self.save_model(folder, _internal_call=True)
-            else:  # the policy (its adapter, with peft) and the value model
-                self._save_roles(folder, with_value_model=True)
-            # the optimizer and scheduler (DeepSpeed: its engine checkpoint, with the weights; FSDP2: its own files)
-            self._save_optimizer_and_scheduler(folder)
-            self._save_rng_state(folder)
-            if self.async_rollouts is not None:  # the draws made with versions older than this checkpoint
-                save_drawn(folder, self.accelerator.process_index,
-                           self.async_rollouts.state(self.state.global_step))
-            if main:
-                callbacks = self.callback_handler.callbacks + [self.control]
-                for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:
-                    self.state.stateful_callbacks[cb.__class__.__name__] = cb.state()
-                self.state.save_to_json(os.path.join(folder, "trainer_state.json"))
-                write_state(folder, self.kl_ctl, self.reward_normalizer, self._run_settings(), self._layout(),
-                            self.accelerator.scaler, self.args.to_dict(),
-                            trainer={"critic_warmup_ended": self.critic_warmup_ended,
-                                     "weight_growth": self.weight_growth.state_dict()})
-
-    def _resume(self, resume_from_checkpoint: str | bool) -> None:
-        """Restore everything a PPO run carries from a checkpoint written by `_save_checkpoint`: the one given or the
-        newest intact one, its files verified (`_choose_checkpoint`), on as many processes as saved it or, where its
-        state is whole, on another number (`check_layout`; the random streams re-derived: `_reseed`); the config's
-        changes applied or refused by name (`_apply_changed_settings`)."""
-        checkpoint = self._choose_checkpoint(resume_from_checkpoint)
-        saved, current = read_state(checkpoint), self._layout()
-        layout = saved_layout(saved)
-        regrown = check_layout(layout, current, checkpoint)  # before anything loads
-        check_compatible(saved["settings"], self._run_settings(), checkpoint)
-        fresh_groups = [{k: v for k, v in g.items() if k != "params"} for g in self.lr_scheduler.optimizer.param_groups]
-        scheduler = os.path.join(checkpoint, SCHEDULER_NAME)
-        if layout["files"] not in (None, current["files"]):  # another engine's whole files (check_layout)
-            self.backend.load_whole_files(checkpoint, layout, self.optimizer, self.is_peft_model)
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-        elif self.backend.fsdp:  # not strict: a checkpoint from the critic warmup holds no state for the policy
-            self.backend.load_engine_checkpoint(checkpoint)
-            self.backend.load_fsdp2_optimizer(self.optimizer, checkpoint)
-            self.lr_scheduler.load_state_dict(torch.load(scheduler, weights_only=True))
-        else:
-            if not self.backend.load_engine_checkpoint(checkpoint):
-                load_trained_weights(self.unwrapped, checkpoint, self.is_peft_model, self.shared)
-            self._load_optimizer_and_scheduler(checkpoint)
-        self._resumed_draws = load_drawn(checkpoint, self.accelerator.process_index)  # async_rollouts' saved draws
-        self.kl_ctl.load_state_dict(saved["kl_controller"])
-        self.reward_normalizer.load_state_dict(saved["reward_normalizer"])
-        self.critic_warmup_ended = saved.get("trainer", {}).get("critic_warmup_ended", False)
-        self.weight_growth.load_state_dict(saved.get("trainer", {}).get("weight_growth", {}))
-        if self.accelerator.scaler is not None and "grad_scaler" in saved:  # fp16: the loss scale reached
-            self.accelerator.scaler.load_state_dict(saved["grad_scaler"])
-        restored = OnlineTrainerState.load_from_json(os.path.join(checkpoint, "trainer_state.json"))
-        for name in ("global_step", "episode", "epoch", "log_history", "total_flos"):
-            setattr(self.state, name, getattr(restored, name))
-        if regrown:
-            self._reseed(checkpoint, layout["world_size"])
-        else:
-            self._load_rng_state(checkpoint)
-        for cb in self.callback_handler.callbacks:  # e.g. the alarms' episode state
-            saved_state = restored.stateful_callbacks.get(cb.__class__.__name__)
-            if isinstance(cb, ExportableState) and isinstance(saved_state, dict) and hasattr(cb, "load_state"):
-                cb.load_state(saved_state)
-        self._apply_changed_settings(saved.get("config", {}), fresh_groups, checkpoint)
-
-    def _choose_checkpoint(self, resume_from_checkpoint: str | bool) -> str:
-        """The checkpoint to resume from, its files verified on the main process (checkpoint.py: `choose_checkpoint`)
-        and the choice shared with every process; the later checkpoints of the run it gives up are moved into
-        `output_dir/abandoned/`."""
-        from accelerate.utils import broadcast_object_list
-
-        output_dir = self.args.output_dir
-        outcome = [None]
-        if self.accelerator.is_main_process:
-            try:
-                checkpoint, skipped = choose_checkpoint(resume_from_checkpoint, output_dir)
-                for folder, problem in skipped:
-                    print(f"[trl_ext] not resuming from {folder}: {problem}")
-                moved = abandon_after(output_dir, step_of(checkpoint)) if in_folder(checkpoint, output_dir) else []
-                if moved:
-                    print(f"[trl_ext] resuming from {checkpoint}: the later checkpoints (of the run given up, or "
-                          f"damaged) are moved aside, to {', '.join(moved)}")
-                outcome = [("ok", checkpoint)]
-            except CheckpointError as e:
-                outcome = [("error", str(e))]
-        if self.accelerator.num_processes > 1:
-            broadcast_object_list(outcome)
-        kind, value = outcome[0]
-        if kind == "error":
-            raise CheckpointError(value)
-        return value
-
-    def _apply_changed_settings(self, saved_config: dict, fresh_groups: list[dict], checkpoint: str) -> None:
-        """Config fields changed since the checkpoint: those its state carries (`CONFIG_OVER_STATE`) re-applied over
-        the loaded state — the optimizer's hyperparameters and the schedule's base learning rates, β's controller —
-        and every change printed. (The ones a resume cannot take were refused by `check_compatible`.)"""
-        changed = changed_settings(saved_config, self.args.to_dict())
-        if not changed:
-            return
-        if any(k in changed for k in ("learning_rate", "critic_learning_rate", "weight_decay", "adam_beta1",
-                                      "adam_beta2", "adam_epsilon")):
-            scheduler = self.lr_scheduler
-            if not hasattr(scheduler, "lr_lambdas"):
-                raise ValueError(f"Cannot resume from {checkpoint} with a changed optimizer setting "
-                                 f"({sorted(set(changed) & set(CONFIG_OVER_STATE))}): the scheduler "
-                                 f"{type(scheduler).__name__} cannot be re-based. Resume with the checkpoint's values.")
-            for group, fresh, lmbda in zip(scheduler.optimizer.param_groups, fresh_groups, scheduler.lr_lambdas):
-                group.update({k: v for k, v in fresh.items() if k != "lr"})
-                group["lr"] = group["initial_lr"] * lmbda(scheduler.last_epoch)
-            scheduler.base_lrs = [g["initial_lr"] for g in scheduler.optimizer.param_groups]
-            scheduler._last_lr = [g["lr"] for g in scheduler.optimizer.param_groups]
-        args = self.args
-        if any(k in changed for k in ("kl_coef", "kl_target", "kl_horizon")):
-            state = self.kl_ctl.state_dict()
-            if "kl_coef" in changed:
-                state["value"] = args.kl_coef  # β restarts at the new kl_coef
-            if "target" in state:
-                state.update(target=args.kl_target, horizon=args.kl_horizon)
-            self.kl_ctl.load_state_dict(state)
-        if self.accelerator.is_main_process:
-            lines = [f"{k}: {old!r} -> {new!r}" + (" (re-applied over the checkpoint's state)" if k in
-                                                   CONFIG_OVER_STATE else "") for k, (old, new) in changed.items()]
-            print(f"[trl_ext] resuming from {checkpoint} with changed settings, which apply from here on: "
-                  + "; ".join(lines))
-
-    def _start_timeline(self) -> None:
-        """A run that does not resume starts the timeline of `output_dir` afresh: the checkpoints there (an earlier
-        run's) move into `output_dir/abandoned/`, so `resume_from_checkpoint=True` later continues this run."""
-        if self.accelerator.is_main_process:
-            moved = abandon_after(self.args.output_dir, -1)
-            if moved:
-                print(f"[trl_ext] a new run in {self.args.output_dir} (not resumed): the checkpoints there, of an "
-                      f"earlier run, are moved aside, to {', '.join(moved)}. To continue that run instead, "
-                      "resume from one of them.")
-        self.backend.barrier()
-
-    def _layout(self) -> dict:
-        """How this run's processes hold a checkpoint's state (`checkpoint.layout_record`)."""
-        engine = self.backend.checkpoint_engine()
-        per_process = engine["per_process"]
-        if self.args.async_rollouts and per_process is None:
-            per_process = "async_rollouts saved each process's own draws"
-        return layout_record(self.accelerator.num_processes, engine, per_process)
-
-    def _reseed(self, checkpoint: str, saved_processes: int) -> None:
-        """A resume on another number of processes: each process's random streams (python, numpy, torch: the
-        minibatch order) re-derived from (seed, process, step), as the saved ones belong to other processes."""
-        set_seed(regrown_process_seed(self.args.seed, self.accelerator.process_index, self.state.global_step))
-        if self.accelerator.is_main_process:
-            print(f"[trl_ext] resuming from {checkpoint}, saved by {saved_processes} process(es), on "
-                  f"{self.accelerator.num_processes}: the same global batch of the same prompts goes on; each "
-                  "process's random streams are re-derived from (seed, process, step) (docs/checkpoints.md).")
+        """transformers' hook: `checkpoint-N`, written by the run's room (`checkpoints.save`, checkpoint.py)."""
+        self.checkpoints.save(self)
 
     # ------------------------------------------------------------------------------------------------ evaluation
     @property

@@ -33,11 +33,10 @@ from ..core import (
     place_turn_rewards,
     sampler_correction_weights,
     shape_rewards,
-    token_logprobs,
     top_entropy_mask,
 )
 from ..core.types import Rollout
-from ..models import LOGPROB_CHUNK, Packing, sequence_inputs
+from ..models import LOGPROB_CHUNK, row_layout, sequence_inputs
 
 
 def check_left_padded(query_mask: torch.Tensor) -> None:
@@ -132,6 +131,7 @@ class RolloutPhase:
         self.stop_token_id, self.phases, self.trunk_from_reference = stop_token_id, phases, trunk_from_reference
         self.more_prompts = more_prompts  # dynamic_sampling: (step, draw) -> (queries, query_mask, extra_columns)
         self.multi_turn = multi_turn  # a MultiTurn: conversations with tools and environments (multi_turn.py)
+        self.rows = row_layout(args.padding_free)  # padded rows or their real tokens packed (models/packing.py)
         self.draw_metrics: dict[str, float] = {}  # the last rollout's group, dynamic-sampling and multi-turn metrics
 
     @torch.no_grad()
@@ -168,24 +168,13 @@ class RolloutPhase:
                 drawn = self.sampler.rollout_responses(queries, query_mask, step, draw)
                 return _Batch(queries, query_mask.bool(), extra_columns, *drawn)
             talk = self.multi_turn.run(queries, query_mask.bool(), extra_columns,
-                                       self.sampler.turn_generator(step, draw), self._open_anywhere())
+                                       self.sampler.turn_generator(step, draw), self.backend.any_process())
         for key, value in talk.metrics.items():
             self._turn_sums[key] = self._turn_sums.get(key, 0.0) + value
         return _Batch(talk.queries, talk.query_mask, extra_columns, talk.responses, talk.context_mask,
                       talk.sampler_logprobs, model_mask=talk.model_mask,
                       turn_rewards=place_turn_rewards(talk.turn_rewards, talk.model_mask),
                       messages=talk.messages, environments=talk.environments)
-
-    def _open_anywhere(self):
-        """Several processes: (open here) -> whether any process has an open conversation (MultiTurn.run)."""
-        if self.backend.num_processes == 1:
-            return None
-
-        def open_anywhere(open_here: bool) -> bool:
-            flag = torch.tensor(float(open_here), device=self.backend.device)
-            return bool(self.backend.sum_over_processes(flag).item())
-
-        return open_anywhere
 
     @contextmanager
     def _reference_trunk(self):
@@ -262,46 +251,35 @@ class RolloutPhase:
                                                          batch.response_mask)
         policy = self.backend.unwrap().policy
         trunk = getattr(self.backend.unwrap(), "trunk", None)  # the critic's frozen trunk, its output kept
-        T = responses.shape[1]
         parts = {name: [] for name in ("logprobs", "ref_logprobs", "values", "trunk", "entropy")}
         entropy = args.top_entropy_quantile < 1  # π_old's entropy from the same logits
         for s in self._chunks(query_mask, response_mask):
             inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
             # padding-free: logits only where they predict a token PPO trains on (not a tool's)
-            packing = Packing.of(inputs, batch.train_mask[s]) if args.padding_free else None
-            forward = inputs if packing is None else packing.inputs  # what the models read
+            rows = self.rows(inputs, batch.train_mask[s])
             # 3. a reference holding the critic's frozen trunk computes its output on the way (trunk_from_reference)
             with self.phases("reference"), accelerator.autocast(), self._reference_trunk() as captured:
-                parts["ref_logprobs"].append(self.reference.logprobs(policy, inputs, responses[s], packing))
+                parts["ref_logprobs"].append(self.reference.logprobs(policy, rows))
             # 4. only the positions that predict response tokens get logits; log-probs in chunks; the logits freed
             # at once. rollout_logprobs="sampler": π_old is the sampler's own log-probs, the values computed alone.
             with self.phases("policy_and_value"), accelerator.autocast():
                 kept = {}
                 if trunk is not None:
                     if not captured:
-                        captured.append(trunk.hidden_states(forward))
+                        captured.append(trunk.hidden_states(rows.inputs))
                     kept = {"trunk_hidden": captured[0]}
-                    parts["trunk"].append(captured[0] if packing is None else packing.unpack(captured[0]))
+                    parts["trunk"].append(rows.unpack(captured[0]))
                 if args.rollout_logprobs == "sampler":
-                    value = model(**forward, role="value", **kept)
+                    value = model(**rows.inputs, role="value", **kept)
                     parts["logprobs"].append(batch.sampler_logprobs[s].to(value.device) * response_mask[s])
-                elif packing is None:
-                    logits, value = model(**inputs, logits_to_keep=T + 1, **kept)
-                    parts["logprobs"].append(token_logprobs(logits[:, -T - 1 : -1], inputs["input_ids"][:, -T:],
-                                                            args.temperature, LOGPROB_CHUNK))
-                    if entropy:
-                        parts["entropy"].append(entropy_from_logits(logits[:, -T - 1 : -1], args.temperature,
-                                                                    LOGPROB_CHUNK).float())
-                    del logits
                 else:
-                    logits, value = model(**forward, logits_to_keep=packing.keep, **kept)  # (1, R, V)
-                    parts["logprobs"].append(packing.logprobs(logits, args.temperature))
+                    logits, value = model(**rows.inputs, logits_to_keep=rows.keep, **kept)  # (B, T+1, V) / (1, R, V)
+                    parts["logprobs"].append(rows.logprobs(logits, args.temperature))
                     if entropy:
-                        parts["entropy"].append(packing.responses(
-                            entropy_from_logits(logits, args.temperature, LOGPROB_CHUNK)[0].float()))
+                        parts["entropy"].append(rows.per_response(entropy_from_logits(
+                            rows.response_logits(logits), args.temperature, LOGPROB_CHUNK)).float())
                     del logits
-                parts["values"].append((value[:, -T - 1 : -1] if packing is None
-                                        else packing.values(value)).float())
+                parts["values"].append(rows.values(value).float())
         logprobs = torch.cat(parts["logprobs"])
         ref_logprobs = torch.cat(parts["ref_logprobs"])
         if batch.model_mask is not None:  # the tools' tokens are not the policy's: nothing of them is kept

@@ -36,27 +36,24 @@ from ..core import (
 )
 from ..core.types import DUAL_CLIP_STATS, KL_LOSS_STATS, OFF_POLICY_MASK_STATS, TOKEN_STATS, Rollout, UpdateStats
 from ..data.batches import balanced_partition
-from ..models import LOGPROB_CHUNK, Packing, model_input_ids, sequence_inputs
+from ..models import LOGPROB_CHUNK, Packing, Padded, model_input_ids, row_layout, sequence_inputs
 from .backend import Backend
 
 
-def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, packing: Packing | None = None):
+def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, rows: Padded | Packing | None = None):
     """(b, T+1 or L, V) policy logits, or (1, R, V) at a packing's response positions -> (policy loss, its stats,
-    mean entropy); the entropy is taken under no_grad in chunks, so nothing but autograd's own reference keeps the
-    logits after this returns. With entropy_coef the loss has the entropy bonus −c·H, H aggregated as the policy
-    loss is (loss_agg_mode, veRL's rule), and the entropy keeps its graph: each chunk's softmax until backward."""
-    T = micro.responses.shape[1]
-    if packing is None:
-        response_logits = logits[:, -T - 1 : -1]  # (b, T, V): the positions that predict response tokens
-        tokens = model_input_ids(micro.responses, micro.input_mask)  # pad ids (maybe not in the vocabulary) -> 0
-    else:
-        response_logits, tokens = logits, packing.targets[None]  # (1, R, V), (1, R)
+    mean entropy); `rows`: how the forward laid the rows out (default: `micro`'s rows padded). The entropy is taken
+    under no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns. With
+    entropy_coef the loss has the entropy bonus −c·H, H aggregated as the policy loss is (loss_agg_mode, veRL's
+    rule), and the entropy keeps its graph: each chunk's softmax until backward."""
+    rows = Padded(None, model_input_ids(micro.responses, micro.input_mask)) if rows is None else rows
+    response_logits = rows.response_logits(logits)  # (b, T, V) or (1, R, V): the positions that predict responses
     mask = micro.response_mask if micro.policy_mask is None else micro.policy_mask  # the policy loss's tokens
-    new_logprobs = token_logprobs(response_logits, tokens, args.temperature, LOGPROB_CHUNK)
+    new_logprobs = token_logprobs(response_logits, rows.token_ids, args.temperature, LOGPROB_CHUNK)
     with torch.set_grad_enabled(torch.is_grad_enabled() and bool(args.entropy_coef)):
         token_entropy = entropy_from_logits(response_logits, args.temperature, LOGPROB_CHUNK)
-    if packing is not None:  # back to (b, T), zeros after the stop token
-        new_logprobs, token_entropy = packing.responses(new_logprobs[0]), packing.responses(token_entropy[0])
+    # (b, T), zeros after the stop token
+    new_logprobs, token_entropy = rows.per_response(new_logprobs), rows.per_response(token_entropy)
     entropy = masked_mean(token_entropy.detach(), micro.response_mask, strict=False)
     low = args.cliprange if args.clip_ratio_low is None else args.clip_ratio_low
     high = args.cliprange if args.clip_ratio_high is None else args.clip_ratio_high
@@ -105,10 +102,10 @@ def kl_loss_terms(logprobs: torch.Tensor, micro: Rollout, args) -> torch.Tensor:
     return kl
 
 
-def value_terms(values: torch.Tensor, micro: Rollout, args, denominator, packing: Packing | None = None):
-    """(b, L) value-head outputs, or (1, N) over a packing -> (value loss, its stats)."""
-    vpred = (values[:, -micro.responses.shape[1] - 1 : -1] if packing is None
-             else packing.values(values)).float()
+def value_terms(values: torch.Tensor, micro: Rollout, args, denominator, rows: Padded | Packing | None = None):
+    """(b, L) value-head outputs, or (1, N) over a packing -> (value loss, its stats); `rows` as `policy_terms`'."""
+    rows = Padded(None, micro.responses) if rows is None else rows  # (only its width is read)
+    vpred = rows.values(values).float()
     return value_loss(vpred, micro.values, micro.returns, micro.response_mask, args.vf_loss_type,
                       args.cliprange_value, args.vf_huber_delta, denominator, args.loss_agg_mode)
 
@@ -167,6 +164,7 @@ class PPOUpdate:
     def __init__(self, args, backend: Backend):
         self.args, self.backend = args, backend
         self.micro_batch_losses = self._shared_losses if backend.shared is not None else self._losses
+        self.rows = row_layout(args.padding_free)  # padded rows or their real tokens packed (models/packing.py)
         self.guard = NonfiniteGuard(args, backend)
         # balance_batch (None: on with padding_free): the minibatches' rows dealt out again by tokens
         self.balance = backend.num_processes > 1 and args.padding_free and args.balance_batch is not False
@@ -201,9 +199,9 @@ class PPOUpdate:
                     with self._accumulate(last=i == len(micro_batches) - 1):
                         inputs = sequence_inputs(micro.queries, micro.query_mask, micro.responses, micro.input_mask)
                         # padding-free: logits only where they predict the model's tokens (not a tool's)
-                        packing = Packing.of(inputs, micro.response_mask) if args.padding_free else None
+                        rows = self.rows(inputs, micro.response_mask)
                         pg_stats, vf_stats, entropy = self.micro_batch_losses(
-                            inputs, micro, critic_only, denominators[k], loss_scale, vf_coef, packing)
+                            rows, micro, critic_only, denominators[k], loss_scale, vf_coef)
                         nonfinite_losses += ~torch.isfinite(pg_stats["loss"] + vf_stats["loss"])
                         if accelerator.sync_gradients:
                             norms = backend.clip_gradients(critic_only)
@@ -266,68 +264,62 @@ class PPOUpdate:
             "policy/off_policy_masked_frac": pg_stats.get("off_policy_masked"),
             "policy/kl_loss_avg": pg_stats.get("kl_loss")})
 
-    def _losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
-                vf_coef: float, packing: Packing | None = None):
+    def _losses(self, rows: Padded | Packing, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
+                vf_coef: float):
         """Separate policy and value models: one forward of the wrapper, one backward of the summed loss (this
-        micro-batch's share of the minibatch's losses). With a packing, the forwards are padding-free."""
+        micro-batch's share of the minibatch's losses). With a `Packing`, the forwards are padding-free."""
         args, model = self.args, self.backend.model
         policy_denominator, value_denominator = (None, None) if denominator is None else denominator
-        forward, keep, trunk_hidden = self._forward_inputs(inputs, packing, micro)
+        forward, keep = rows.inputs, rows.keep
+        # the critic's frozen trunk output kept by the rollout, laid out as the rows are
+        trunk_hidden = None if micro.trunk_hidden is None else rows.pack(micro.trunk_hidden)
         if critic_only and self.backend.plain:
             # warmup on one plain process: the policy's forward (for its stats) without a graph, the critic's alone;
             # its gradients would be dropped before the optimizer step anyway
             with torch.no_grad():
                 with self.backend.autocast():
                     logits = model(**forward, logits_to_keep=keep, role="policy")
-                pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, packing)
+                pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, rows)
             del logits
             with self.backend.autocast():
                 values = model(**forward, role="value", trunk_hidden=trunk_hidden)
-            vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, packing)
+            vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, rows)
             self.backend.backward(vf_coef * vf_loss * loss_scale)
             return pg_stats, vf_stats, entropy
         # the critic runs its trainable top layers only, over its frozen trunk's output kept by the rollout
         with self.backend.autocast():
             logits, values = model(**forward, logits_to_keep=keep, trunk_hidden=trunk_hidden)
-        pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, packing)
+        pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, rows)
         del logits
-        vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, packing)
+        vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, rows)
         # in warmup under DDP/DeepSpeed/FSDP the policy term is kept at weight 0 so every parameter still gets a
         # gradient (DDP needs that); those zeros are dropped before the optimizer step
         loss = (0.0 if critic_only else 1.0) * pg_loss + vf_coef * vf_loss
         self.backend.backward(loss * loss_scale)
         return pg_stats, vf_stats, entropy
 
-    def _shared_losses(self, inputs: dict, micro: Rollout, critic_only: bool, denominator, loss_scale: float,
-                       vf_coef: float, packing: Packing | None = None):
+    def _shared_losses(self, rows: Padded | Packing, micro: Rollout, critic_only: bool, denominator,
+                       loss_scale: float, vf_coef: float):
         """Shared base: the policy pass (adapter "policy") and the critic pass (adapter "critic"), each with its
         backward inside its adapter context, since gradient checkpointing recomputes layers with the adapter
         active at backward time. The gradients are the same as one backward of the summed loss (the two losses
         share no trainable parameter). In critic warmup the policy pass runs without grad."""
         args, model, shared = self.args, self.backend.model, self.backend.shared
         policy_denominator, value_denominator = (None, None) if denominator is None else denominator
-        forward, keep, _ = self._forward_inputs(inputs, packing, micro)
+        forward, keep = rows.inputs, rows.keep
         with shared.adapter("policy"), torch.set_grad_enabled(not critic_only):
             with self.backend.autocast():
                 logits = model(**forward, logits_to_keep=keep, role="policy")
-            pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, packing)
+            pg_loss, pg_stats, entropy = policy_terms(logits, micro, args, policy_denominator, rows)
             del logits
             if not critic_only:
                 self.backend.backward(pg_loss * loss_scale)
         with shared.adapter("critic"):
             with self.backend.autocast():
                 values = model(**forward, role="value")
-            vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, packing)
+            vf_loss, vf_stats = value_terms(values, micro, args, value_denominator, rows)
             self.backend.backward(vf_coef * vf_loss * loss_scale)
         return pg_stats, vf_stats, entropy
-
-    @staticmethod
-    def _forward_inputs(inputs: dict, packing: Packing | None, micro: Rollout):
-        """(what the models read, the logits kept, the critic's frozen trunk output): padded or packed."""
-        if packing is None:
-            return inputs, micro.responses.shape[1] + 1, micro.trunk_hidden
-        trunk_hidden = None if micro.trunk_hidden is None else packing.pack(micro.trunk_hidden)
-        return packing.inputs, packing.keep, trunk_hidden
 
 
 def gather_rollout(rollout: Rollout, backend: Backend) -> Rollout:
