@@ -156,12 +156,12 @@ def test_dynamic_sampling_replaces_constant_groups(tmp_path):
     batch = next(b for b in batches if any(plain.processing_class.decode(q, skip_special_tokens=True).split()[0]
                                            in ("w0", "w1", "w2", "w3") for q in b["input_ids"]))
     r = plain.rollout(batch["input_ids"], batch["attention_mask"])
-    plain_metrics = dict(plain.rollout_phase.draw_metrics)
+    plain_metrics = r.draw_metrics
     assert constant_groups(r.scores, 2).any() and plain_metrics["rollout/frac_reward_zero_std"] > 0
     t = _trainer(tmp_path, reward=_first_word_reward, num_generations=2, dynamic_sampling=True,
                  max_num_gen_batches=8)
     r = t.rollout(batch["input_ids"], batch["attention_mask"])
-    m = t.rollout_phase.draw_metrics
+    m = r.draw_metrics
     assert not constant_groups(r.scores, 2).any() and m["rollout/frac_reward_zero_std"] == 0
     assert m["rollout/dynamic_draws"] >= 2 and 0 < m["rollout/dynamic_dropped_frac"] < 1
     assert m["rollout/completions_drawn"] == 8 * m["rollout/dynamic_draws"]
@@ -172,7 +172,7 @@ def test_dynamic_sampling_replaces_constant_groups(tmp_path):
     one = _trainer(tmp_path, reward=_first_word_reward, num_generations=2, dynamic_sampling=True,
                    max_num_gen_batches=1)
     r = one.rollout(batch["input_ids"], batch["attention_mask"])
-    assert len(r) == 8 and one.rollout_phase.draw_metrics["rollout/frac_reward_zero_std"] > 0
+    assert len(r) == 8 and r.draw_metrics["rollout/frac_reward_zero_std"] > 0
 
 
 def test_bad_group_settings_name_the_value_and_the_fix(tmp_path):

@@ -136,9 +136,9 @@ def test_the_rollout_trains_on_model_tokens_and_places_the_rewards(tmp_path):
     adv = masked_whiten(adv, cmask) * cmask
     torch.testing.assert_close(r.advantages, expand(adv, index, cmask))
     torch.testing.assert_close(r.returns, expand(ret, index, cmask))
-    assert t.rollout_phase.draw_metrics["multi_turn/turns_mean"] == 2.0
-    assert t.rollout_phase.draw_metrics["multi_turn/turn_reward_mean"] == 1.5
-    assert t.rollout_phase.draw_metrics["multi_turn/env_tokens_mean"] == len(feedback)
+    assert r.draw_metrics["multi_turn/turns_mean"] == 2.0
+    assert r.draw_metrics["multi_turn/turn_reward_mean"] == 1.5
+    assert r.draw_metrics["multi_turn/env_tokens_mean"] == len(feedback)
 
 
 def test_the_reward_functions_get_trls_conversational_completions(tmp_path):
@@ -203,8 +203,8 @@ def test_a_tool_calling_rollout_masks_the_tool_result(tmp_path):
     call, result = ids_of(tok, turns[0][0]), ids_of(tok, TOOL_SUFFIX.format(5))
     assert r.response_mask[0, : len(call) + len(result) + 2].tolist() == [True] * len(call) + [False] * len(
         result) + [True] * 2
-    assert t.rollout_phase.draw_metrics["tools/call_frequency"] == 1.0
-    assert t.rollout_phase.draw_metrics["tools/failure_frequency"] == 0.0
+    assert r.draw_metrics["tools/call_frequency"] == 1.0
+    assert r.draw_metrics["tools/failure_frequency"] == 0.0
     # the prompt lists the tool (the chat template's system message)
     assert "<tools>" in tok.decode(r.queries[0][r.query_mask[0]]) and '"name": "add"' in tok.decode(r.queries[0])
 

@@ -14,7 +14,7 @@ The prompt's is `query_mask`, (B, Q): the collator's attention mask.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, fields
+from dataclasses import dataclass, field, fields
 
 import torch
 
@@ -49,6 +49,8 @@ class Rollout:
     # model's tokens only, all that is trained on (trl_ext/trainer/multi_turn.py)
     turn_rewards: torch.Tensor | None = None  # (B, T) multi-turn: the environment's per-turn rewards, each on the last
     # token of its turn (already in `rewards`)
+    draw_metrics: dict = field(default_factory=dict)  # the draw's own metrics, logged with the iteration's (group
+    # statistics, dynamic sampling, multi-turn turns and tools): the batch's, not a row's
 
     @property
     def input_mask(self) -> torch.Tensor:
@@ -61,11 +63,16 @@ class Rollout:
     def __getitem__(self, idx) -> Rollout:
         """Select rollouts (rows) by index tensor or slice: a minibatch."""
         return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name)[idx]
-                          for f in fields(self)})
+                          for f in row_fields(self)})
 
     def to(self, device) -> Rollout:
         return Rollout(**{f.name: None if getattr(self, f.name) is None else getattr(self, f.name).to(device)
-                          for f in fields(self)})
+                          for f in row_fields(self)})
+
+
+def row_fields(rollout: Rollout) -> list:
+    """The fields of a `Rollout` that hold one entry per row (all but `draw_metrics`)."""
+    return [f for f in fields(rollout) if f.name != "draw_metrics"]
 
 
 

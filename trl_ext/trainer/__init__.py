@@ -1,15 +1,18 @@
 """`PPOTrainer` and its phases, one file each:
 
-    ppo_trainer.py   PPOTrainer: the set-up steps, train() (rollout -> update -> metrics), saving, evaluation calls
+    ppo_trainer.py   PPOTrainer: TRL's API, train() (rollout -> update -> metrics), evaluation calls
+    builders.py      the set-up: each builder returns one collaborator (rewards, models, accelerator, samplers...)
     rollout.py       steps 1-7 (generate, score, rewards, advantages): a `Rollout` (`core/types.py`)
     update.py        step 8: PPO epochs over minibatches of micro-batches, the loss terms
     sampling.py      every draw of responses: the rollout's, evaluation's and the samples' (HF generate or vLLM)
     async_rollouts.py  async_rollouts: the sampler's thread, the version schedule, the hand-over to the trainer
     backend.py       the engine (one process, DDP, DeepSpeed ZeRO-1/2/3, FSDP2) and the model layout, decided once
-    checkpoint.py    checkpoint-N: what it holds, writing it atomically, resuming from it
+    checkpoint.py    checkpoint-N: what it holds, writing it atomically, resuming from it (`Checkpoints`)
+    multi_turn.py    tools, environments and rollout_func: the conversation loop, run_episodes' episodes
     evaluation.py    held-out paired evaluation against the reference, sample completions
     seeds.py         every random seed derived from PPOConfig.seed
     allocator.py     glibc malloc settings that keep a CPU run's freed memory for reuse
+    preemption.py    SIGTERM / Ctrl-C: save at the next safe boundary, exit 0
 
 Imported on first use, so `trl_ext.trainer.seeds` (say) loads without trl.
 """

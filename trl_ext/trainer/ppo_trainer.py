@@ -57,9 +57,9 @@ from .checkpoint import VALUE_MODEL_DIR, Checkpoints, WeightGrowth, recovery_adv
 from .evaluation import Evaluator, dataset_columns
 from .multi_turn import MultiTurn, RolloutFunction
 from .preemption import Preemption
-from .rollout import RolloutPhase
+from .rollout import MorePrompts, RolloutPhase
 from .sampling import ResponseSampler
-from .seeds import extra_draw_seed, process_seed
+from .seeds import process_seed
 from .update import PPOUpdate, vf_coef_at
 
 if is_peft_available():
@@ -258,9 +258,11 @@ class PPOTrainer(PPOTrainerBase):
         self.sampler = ResponseSampler(self.backend, self.reference, self.sampling, self.processing_class.pad_token_id,
                                        args.local_rollout_forward_batch_size, args.ds3_gather_for_generation,
                                        self.local_seed, self.vllm)
+        more_prompts = MorePrompts(self.prompt_batches, self.train_dataset, self.data_collator, args.seed,
+                                   self.accelerator.device)
         self.rollout_phase = RolloutPhase(args, self.backend, self.sampler, self.reference, self.reward_scorer,
                                           self.reward_normalizer, self.stop_token_id, self.phases,
-                                          self.trunk_from_reference, more_prompts=self._more_prompts,
+                                          self.trunk_from_reference, more_prompts=more_prompts,
                                           multi_turn=self.multi_turn)
         self.update_phase = PPOUpdate(args, self.backend)
         self.evaluator = Evaluator(args, self.backend, self.sampler, self.reference, self.reward_scorer,
@@ -330,23 +332,15 @@ class PPOTrainer(PPOTrainerBase):
         shaped with the current β (trl_ext/trainer/rollout.py). extra_columns: other dataset columns of these
         prompts (lists), passed to reward functions. drawn: the responses, their mask and the sampler's log-probs
         drawn already (async_rollouts)."""
-        return self.rollout_phase(queries, query_mask, extra_columns, kl_coef=self.kl_ctl.value,
-                                  step=self.state.global_step, trainer_state=self.state, drawn=drawn)
-
-    def _more_prompts(self, step: int, draw: int):
-        """Dynamic sampling's further draw `draw` of iteration `step`: (queries, query_mask, extra_columns) of this
-        process's share of a batch of prompts drawn by (seed, step, draw) alone (`PromptBatches.extra`)."""
-        indices = self.prompt_batches.extra(extra_draw_seed(self.args.seed, step, draw))
-        batch = self.data_collator([self.train_dataset[i] for i in indices])
-        device = self.accelerator.device
-        return batch["input_ids"].to(device), batch["attention_mask"].to(device), dataset_columns(batch)
+        return self.rollout_phase.run(queries, query_mask, extra_columns, kl_coef=self.kl_ctl.value,
+                                      step=self.state.global_step, trainer_state=self.state, drawn=drawn)
 
     def ppo_update(self, rollout: Rollout, critic_only: bool = False) -> UpdateStats:
         """Step 8: `num_ppo_epochs` passes over the rollout in shuffled minibatches, clipped policy and value losses,
         each role's gradients clipped to `max_grad_norm` (trl_ext/trainer/update.py). critic_only (critic warmup):
         only the value model learns."""
         with self.phases("critic_warmup" if critic_only else "update"):
-            return self.update_phase(rollout, critic_only, self.vf_coef, self.state.global_step)
+            return self.update_phase.run(rollout, critic_only, self.vf_coef, self.state.global_step)
 
     @property
     def vf_coef(self) -> float:
@@ -363,7 +357,7 @@ class PPOTrainer(PPOTrainerBase):
         if rollout.source_scores is not None:
             m.update(source_metrics(rollout.source_scores, self.reward_scorer.names, gather))
         m.update(update_metrics(stats, self.backend.sum_over_processes, gather))
-        m.update(self.rollout_phase.draw_metrics)  # num_generations, dynamic_sampling
+        m.update(rollout.draw_metrics)  # num_generations, dynamic_sampling, multi-turn
         m["val/warmup"] = float(warmup)
         m.update(self.prompt_counts)
         m["lr"] = self.lr_scheduler.get_last_lr()[0]

@@ -37,6 +37,8 @@ from ..core import (
 )
 from ..core.types import Rollout
 from ..models import LOGPROB_CHUNK, row_layout, sequence_inputs
+from .evaluation import dataset_columns
+from .seeds import extra_draw_seed
 
 
 def check_left_padded(query_mask: torch.Tensor) -> None:
@@ -117,6 +119,20 @@ class _Scored:
     entropy: torch.Tensor | None = None  # (B, T) π_old's entropy at each response position (top_entropy_quantile)
 
 
+class MorePrompts:
+    """Dynamic sampling's further draws of prompts: `draw(step, draw)` -> (queries, query_mask, extra_columns) of
+    this process's share of a batch drawn by (seed, step, draw) alone (`PromptBatches.extra`), on `device`."""
+
+    def __init__(self, prompt_batches, dataset, collator, seed: int, device):
+        self.prompt_batches, self.dataset, self.collator = prompt_batches, dataset, collator
+        self.seed, self.device = seed, device
+
+    def draw(self, step: int, draw: int):
+        indices = self.prompt_batches.extra(extra_draw_seed(self.seed, step, draw))
+        batch = self.collator([self.dataset[i] for i in indices])
+        return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device), dataset_columns(batch)
+
+
 class RolloutPhase:
     """Steps 1-7 on a batch of left-padded prompts. Holds what they use: the config, the backend (the trained module
     and the processes), the sampler, the reference, the rewards and their normaliser, and the phase hooks.
@@ -129,23 +145,23 @@ class RolloutPhase:
         self.args, self.backend, self.sampler, self.reference = args, backend, sampler, reference
         self.reward_scorer, self.reward_normalizer = reward_scorer, reward_normalizer
         self.stop_token_id, self.phases, self.trunk_from_reference = stop_token_id, phases, trunk_from_reference
-        self.more_prompts = more_prompts  # dynamic_sampling: (step, draw) -> (queries, query_mask, extra_columns)
+        self.more_prompts = more_prompts  # dynamic_sampling's further prompts (`MorePrompts`)
         self.multi_turn = multi_turn  # a MultiTurn: conversations with tools and environments (multi_turn.py)
         self.rows = row_layout(args.padding_free)  # padded rows or their real tokens packed (models/packing.py)
-        self.draw_metrics: dict[str, float] = {}  # the last rollout's group, dynamic-sampling and multi-turn metrics
 
     @torch.no_grad()
-    def __call__(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None, kl_coef: float,
+    def run(self, queries: torch.Tensor, query_mask: torch.Tensor, extra_columns: dict | None, kl_coef: float,
                  step: int, trainer_state=None, drawn: tuple | None = None) -> Rollout:
         """(B, Q) ids and (B, Q) mask of iteration `step`'s prompts -> their Rollout, rewards shaped with β =
         `kl_coef`. extra_columns: other dataset columns of these prompts (lists), passed to reward functions.
         `drawn`: steps 1-2 done already (async_rollouts: responses, response mask, sampler log-probs of an earlier
         policy version); steps 3-7 then run at the current one. With dynamic_sampling, groups whose completions all
-        score the same are replaced by groups of further draws (`_fill`; `more_prompts`: (step, draw) -> a batch)."""
+        score the same are replaced by groups of further draws (`_fill`, `MorePrompts`)."""
         query_mask = query_mask.bool()
         check_left_padded(query_mask)
         extra_columns = extra_columns or {}
-        self.draw_metrics, self._turn_sums = {}, {}
+        self._turn_sums = {}  # multi-turn: this rollout's turns, tool calls... summed over its draws
+        draw_metrics = {}  # dynamic sampling's, multi-turn's: the Rollout carries them (`Rollout.draw_metrics`)
         with self.backend.whole_weights():
             if drawn is not None:
                 batch = _Batch(queries, query_mask, extra_columns, *drawn)
@@ -153,12 +169,12 @@ class RolloutPhase:
                 batch = self._draw(queries, query_mask, extra_columns, step)  # 1-2
             batch.scores, batch.source_scores = self._rewards(batch, trainer_state)  # 5
             if self.args.dynamic_sampling:
-                batch = self._fill(batch, step, trainer_state)
+                batch, draw_metrics = self._fill(batch, step, trainer_state)
             if self._turn_sums:
-                self.draw_metrics.update(self._turn_metrics())
+                draw_metrics.update(self._turn_metrics())
             scored = self._score(batch)  # 3-4
         scores = self._condition(batch.scores, batch.responses, batch.train_mask)  # 5
-        return self._advantages(batch, scored, scores, kl_coef)  # 6-7
+        return self._advantages(batch, scored, scores, kl_coef, draw_metrics)  # 6-7
 
     def _draw(self, queries, query_mask, extra_columns, step: int, draw: int = 0) -> _Batch:
         """Steps 1-2: the policy's responses to the prompts, drawn by (process, step, draw); with tools or
@@ -214,7 +230,7 @@ class RolloutPhase:
         device = batch.queries.device
         return torch.cat(scores).to(device), torch.cat(per_source).to(device)
 
-    def _fill(self, batch: _Batch, step: int, trainer_state) -> _Batch:
+    def _fill(self, batch: _Batch, step: int, trainer_state) -> tuple[_Batch, dict[str, float]]:
         """Dynamic sampling (DAPO, Yu et al. 2025, https://arxiv.org/abs/2503.14476, §3.2): groups whose completions
         all got the same score are dropped and further draws of prompts (`more_prompts`) generated and scored, until
         the batch's groups all differ or `max_num_gen_batches` draws are made; then constant groups of the first draw
@@ -223,7 +239,7 @@ class RolloutPhase:
         parts, kept, constants = [batch], [], []  # kept: rows (into the concatenated draws) of the groups that differ
         for draw in range(self.args.max_num_gen_batches):
             if draw:
-                queries, query_mask, extra = self.more_prompts(step, draw)
+                queries, query_mask, extra = self.more_prompts.draw(step, draw)
                 part = self._draw(queries, query_mask, extra, step, draw)
                 part.scores, part.source_scores = self._rewards(part, trainer_state)
                 parts.append(part)
@@ -240,9 +256,9 @@ class RolloutPhase:
         dropped = sum(int(c.sum()) for c in constants)  # this process's constant groups
         dropped = self.backend.sum_over_processes(torch.tensor(float(dropped), device=batch.queries.device)).item()
         drawn = B * draws * self.backend.num_processes
-        self.draw_metrics = {"rollout/dynamic_draws": float(draws), "rollout/completions_drawn": float(drawn),
-                             "rollout/dynamic_dropped_frac": dropped * G / drawn}
-        return _Batch.cat(parts, self.sampler.pad_token_id).select(rows)
+        metrics = {"rollout/dynamic_draws": float(draws), "rollout/completions_drawn": float(drawn),
+                   "rollout/dynamic_dropped_frac": dropped * G / drawn}
+        return _Batch.cat(parts, self.sampler.pad_token_id).select(rows), metrics
 
     def _score(self, batch: _Batch) -> _Scored:
         """Steps 3-4 in chunks of rows (`_chunks`); padding-free, each chunk's real tokens run as one sequence."""
@@ -319,7 +335,7 @@ class RolloutPhase:
                 "multi_turn/env_tokens_mean": t["env_tokens"] / t["episodes"],
                 "multi_turn/turn_reward_mean": t["turn_reward"] / t["episodes"]}
 
-    def _advantages(self, batch: _Batch, scored: _Scored, scores, kl_coef) -> Rollout:
+    def _advantages(self, batch: _Batch, scored: _Scored, scores, kl_coef, draw_metrics: dict) -> Rollout:
         """Steps 6-7, the group advantage mixed in, and the sampler correction's weights. In a multi-turn rollout the
         recursions run over the model's tokens only (core.turns: compacted to the front of each row and put back),
         so the score lands on the conversation's last model token, each environment reward on its turn's last
@@ -369,7 +385,7 @@ class RolloutPhase:
             policy_mask = mask & self._stopped(batch.responses, mask)[:, None]
         if args.num_generations > 1:
             zero_std = constant_groups(batch.scores, args.num_generations).float()
-            self.draw_metrics["rollout/frac_reward_zero_std"] = self.backend.gather(zero_std).mean().item()
+            draw_metrics["rollout/frac_reward_zero_std"] = self.backend.gather(zero_std).mean().item()
         # the sampler against the trainer: here over every token, or (π_old the sampler's) in the update, where the
         # first minibatch's forward is the trainer's at the rollout's weights (UpdateStats.sampler_rows)
         sampler_logprobs = (None if args.rollout_logprobs == "sampler"
@@ -388,4 +404,4 @@ class RolloutPhase:
                        advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None,
                        trunk_hidden=scored.trunk_hidden, policy_mask=policy_mask, entropy_mask=entropy_mask,
                        context_mask=batch.response_mask if multi_turn else None,
-                       turn_rewards=batch.turn_rewards if multi_turn else None)
+                       turn_rewards=batch.turn_rewards if multi_turn else None, draw_metrics=draw_metrics)

@@ -18,7 +18,6 @@ run forward and backward with their own adapter active (one backward per role).
 from __future__ import annotations
 
 import math
-from dataclasses import fields
 
 import torch
 
@@ -34,7 +33,15 @@ from ..core import (
     token_logprobs,
     value_loss,
 )
-from ..core.types import DUAL_CLIP_STATS, KL_LOSS_STATS, OFF_POLICY_MASK_STATS, TOKEN_STATS, Rollout, UpdateStats
+from ..core.types import (
+    DUAL_CLIP_STATS,
+    KL_LOSS_STATS,
+    OFF_POLICY_MASK_STATS,
+    TOKEN_STATS,
+    Rollout,
+    UpdateStats,
+    row_fields,
+)
 from ..data.batches import balanced_partition
 from ..models import LOGPROB_CHUNK, Packing, Padded, model_input_ids, row_layout, sequence_inputs
 from .backend import Backend
@@ -129,7 +136,7 @@ class NonfiniteGuard:
         self.args, self.backend = args, backend
         self.in_a_row = 0  # skipped steps in a row, across iterations
 
-    def __call__(self, nonfinite_losses: torch.Tensor, norms: dict[str, float], rollout: Rollout,
+    def skip_step(self, nonfinite_losses: torch.Tensor, norms: dict[str, float], rollout: Rollout,
                  stats: UpdateStats, step: int) -> bool:
         """True: skip this step. `nonfinite_losses`: this process's micro-batches with a non-finite loss; `step`: the
         iterations done before this one."""
@@ -169,7 +176,7 @@ class PPOUpdate:
         # balance_batch (None: on with padding_free): the minibatches' rows dealt out again by tokens
         self.balance = backend.num_processes > 1 and args.padding_free and args.balance_batch is not False
 
-    def __call__(self, rollout: Rollout, critic_only: bool = False, vf_coef: float = 1.0, step: int = 0) -> UpdateStats:
+    def run(self, rollout: Rollout, critic_only: bool = False, vf_coef: float = 1.0, step: int = 0) -> UpdateStats:
         """critic_only (critic warmup): the policy's gradients are dropped before each optimizer step, so neither its
         weights nor its optimizer state change; only the value model learns."""
         args, accelerator, backend = self.args, self.backend.accelerator, self.backend
@@ -207,7 +214,7 @@ class PPOUpdate:
                             norms = backend.clip_gradients(critic_only)
                             for key, norm in norms.items():
                                 stats.add_step(key, norm)
-                            skip = self.guard(nonfinite_losses, norms, rollout, stats, step)
+                            skip = self.guard.skip_step(nonfinite_losses, norms, rollout, stats, step)
                             backend.optimizer_step(critic_only, skip=skip)
                     self._record(stats, micro, pg_stats, vf_stats, entropy, epoch == 0 and mini_start == 0)
         return stats
@@ -335,4 +342,4 @@ def gather_rollout(rollout: Rollout, backend: Backend) -> Rollout:
             tensor = backend.accelerator.pad_across_processes(tensor, dim=1, pad_index=0, pad_first=True)
         return backend.gather(tensor.to(torch.uint8 if dtype == torch.bool else dtype)).to(dtype)
 
-    return Rollout(**{f.name: gathered(f.name, getattr(rollout, f.name)) for f in fields(rollout)})
+    return Rollout(**{f.name: gathered(f.name, getattr(rollout, f.name)) for f in row_fields(rollout)})
