@@ -61,57 +61,12 @@ def _check(ok: bool, message: str) -> None:
 @dataclass
 class PPOConfig(PPOConfigBase):
     r"""
-    Configuration for [`trl_ext.PPOTrainer`]. Every field of TRL's `PPOConfig` keeps its meaning; see the module
-    docstring for the defaults trl_ext changes and why.
-
-    Parameters:
-        stop_token (`str`, *optional*):
-            `None` (default) or `"eos"`: generation stops at the tokenizer's EOS token, which is a real response
-            token (it is in the loss and receives the score). `"none"`: no stop token. Mutually exclusive with
-            `stop_token_id`, which stops at any other token id.
-        kl_estimator (`str`, defaults to `"k1"`):
-            Estimator of KL(π_θ‖π_ref) used in the per-token reward penalty: `"k1"`, `"k2"` or `"k3"`
-            (http://joschu.net/blog/kl-approx.html).
-        kl_controller (`str`, defaults to `"fixed"`):
-            `"fixed"`: β = `kl_coef` throughout. `"adaptive"`: Ziegler et al. (2019) proportional control of β towards
-            `kl_target`, starting from `kl_coef` (see `trl_ext.core.kl_control`).
-        kl_target (`float`, defaults to `6.0`):
-            Target KL for the adaptive controller, in nats **per sequence** (the mean over rollouts of the summed
-            per-token KL, i.e. the logged `objective/kl`).
-        kl_horizon (`int`, defaults to `10000`):
-            Horizon (in rollouts) of the adaptive controller; β moves at most ±20%·n/horizon per batch of n rollouts.
-        critic_warmup_steps (`int`, defaults to `0`):
-            PPO iterations at the start during which only the value model trains; the policy does not move.
-        value_model_init (`str`, defaults to `"given"`):
-            `"given"`: use the `value_model` passed to the trainer. `"reward_model"`: a copy of the reward model
-            (InstructGPT). `"policy"`: the policy's backbone with a new 1-output head.
-        value_head_init (`str`, *optional*):
-            `"zero"`: zero the value head so V ≈ 0 at step 0. `"keep"`: keep it. Unset: `"zero"` when trl_ext builds
-            the value model (`value_model_init` = `"reward_model"` or `"policy"`), `"keep"` for a given one.
-        critic_learning_rate (`float`, *optional*):
-            Learning rate of the value model. Unset: `learning_rate`.
-        clip_ratio_low, clip_ratio_high, clip_ratio_c, loss_agg_mode (`str`, defaults to `"token-mean"`),
-        lam_policy, lam_value, length_adaptive_alpha, vf_loss_type (`str`, defaults to `"clipped"`), vf_huber_delta,
-        vf_coef_end:
-            PPO variants (docs/ppo-variants.md): asymmetric clip / clip-higher, dual-clip, how per-token losses are
-            aggregated, decoupled and length-adaptive GAE λ, the value loss and a linear vf_coef schedule. Unset,
-            each is TRL 1.12's PPO.
-        reward_weights (`list[float]`, *optional*):
-            Weights of the rewards when `reward_model` is a list; the score is the weighted sum (default: all 1.0).
-        reward_norm (`str`, defaults to `"none"`), reward_norm_mean, reward_norm_std, reward_clip:
-            Score conditioning before the missing-stop-token penalty: `"running"` normalises with the running mean and
-            std of all scores so far, `"fixed"` with the given mean and std; then clip to ±`reward_clip`.
-        max_prompt_length (`int`, *optional*):
-            Prompts longer than this many tokens are cut from the left after their head (`prompt_truncation="left"`:
-            leading special tokens such as BOS, and a chat template's header, are kept) or dropped (`"drop"`); the
-            counts are logged as `data/prompts_truncated` and `data/prompts_dropped`.
-        alarms (`bool`, defaults to `True`):
-            Watch the logged metrics for PPO's failure modes (KL blow-up, generator/trainer mismatch, value lag,
-            entropy collapse, length exploitation, reward hacking) and warn once per episode of trouble.
-        alarm_thresholds (`dict` or JSON `str`, *optional*):
-            Overrides of `trl_ext.monitoring.alarms.AlarmThresholds`, e.g. `{"clipfrac_max": 0.4}`.
+    Configuration for [`trl_ext.PPOTrainer`]: TRL 1.12's `PPOConfig` fields, each with its meaning (see the module
+    docstring for the defaults trl_ext changes and why), then trl_ext's own, grouped as `_validate` checks them. Each
+    field is documented once, in its `help` (`--help` on the command line prints them).
     """
 
+    # -- TRL's fields whose default trl_ext changes
     bf16: bool | None = field(
         default=None,
         metadata={
@@ -119,18 +74,52 @@ class PPOConfig(PPOConfigBase):
             "unset default raises on CPU-only machines). An explicit value is used as given."
         },
     )
+
+    # -- trl_ext's own choices (`_check_choices`)
     stop_token: str | None = field(
         default=None,
         metadata={
-            "help": "Stop token for generation: None (default) or 'eos' stop at the tokenizer's EOS; 'none' disables "
-            "stopping. Mutually exclusive with `stop_token_id`."
+            "help": "Stop token for generation: None (default) or 'eos' stop at the tokenizer's EOS, a real response "
+            "token (in the loss; it receives the score); 'none' disables stopping. Mutually exclusive with "
+            "`stop_token_id`, which stops at any other token id."
         },
     )
     kl_estimator: str = field(
         default="k1",
         metadata={"help": "KL estimator for the reward penalty: 'k1', 'k2' or 'k3' (http://joschu.net/blog/kl-approx.html)."},
     )
+    rollout_logprobs: str = field(
+        default="trainer",
+        metadata={"help": "π_old, the log-probs the policy ratio is taken against: 'trainer' (the loss's own forward "
+                  "pass over the rollout: the first minibatch's ratio is exactly 1, and the sampler's log-probs are "
+                  "compared with it over every token) or 'sampler' (the sampler's log-probs, as TRL 1.12 took them "
+                  "from generate's scores: one policy forward less per rollout; the sampler-trainer "
+                  "gap is then measured on the first minibatch, before its optimizer step, and "
+                  "shows in policy/ratio_first_minibatch). 'sampler' is for a sampler that is the policy "
+                  "(fp32; see rollout/sampler_logprob_diff_*)."},
+    )
+    cast_lm_head_to_fp32: bool = field(
+        default=False,
+        metadata={"help": "Compute the policy's (and a separate reference's) LM head in fp32 with autocast off (TRL's "
+                  "GRPO field): fp32 logits under bf16/fp16, so the log-probs of the sampled tokens, the ratio and "
+                  "the KL are not rounded to bf16's 8 bits. Costs fp32 logits in memory (2x bf16's)."},
+    )
+    trust_remote_code: bool = field(
+        default=False,
+        metadata={"help": "Allow models and tokenizers with custom code from the hub: scripts pass it to "
+                  "from_pretrained (PPOTrainer loads no model itself). The field TRL's other trainer configs have, "
+                  "where ModelConfig no longer has one."},
+    )
+    cpu_reuse_freed_memory: bool | None = field(
+        default=None,
+        metadata={"help": "Let glibc's malloc keep freed memory for reuse instead of page-faulting it in again each "
+                  "step (trl_ext/trainer/allocator.py): on CPU the update runs faster at the same peak memory, but "
+                  "the process's resident size no longer shrinks after a peak; process-wide. Unset: on when training "
+                  "on CPU, unless MALLOC_*, GLIBC_TUNABLES or LD_PRELOAD in the environment already choose the "
+                  "allocator. False: glibc's defaults."},
+    )
 
+    # -- β control and the critic (`_check_kl_control_and_critic`)
     kl_controller: str = field(
         default="fixed",
         metadata={"help": "'fixed' (beta = kl_coef) or 'adaptive' (Ziegler et al. 2019, towards kl_target)."},
@@ -168,6 +157,8 @@ class PPOConfig(PPOConfigBase):
         default=None,
         metadata={"help": "Learning rate of the value model. Unset: learning_rate."},
     )
+
+    # -- PPO variants and GRPO's knobs (`_check_ppo_variants`, docs/ppo-variants.md)
     clip_ratio_low: float | None = field(
         default=None,
         metadata={"help": "ε_low: the ratio is clipped below at 1 - ε_low (veRL's name). None: cliprange."},
@@ -181,6 +172,36 @@ class PPOConfig(PPOConfigBase):
         default=None,
         metadata={"help": "Dual-clip bound c > 1 (Ye et al. 2020; veRL's name, 3.0 there): for negative advantages "
                   "the loss is at most -A·c. None: no dual clip (TRL)."},
+    )
+    loss_agg_mode: str = field(
+        default="token-mean",
+        metadata={"help": "How per-token losses become one (veRL's names): 'token-mean' (TRL), 'token-sum', "
+                  "'seq-mean-token-sum', 'seq-mean-token-mean' (GRPO), 'seq-mean-token-sum-norm' (Dr. GRPO). Policy "
+                  "and value loss."},
+    )
+    lam_policy: float | None = field(
+        default=None,
+        metadata={"help": "GAE λ of the policy's advantages (decoupled GAE, VAPO; NeMo-RL gae_lambda_policy). None: "
+                  "lam."},
+    )
+    lam_value: float | None = field(
+        default=None,
+        metadata={"help": "GAE λ of the value targets (VAPO: 1.0; NeMo-RL gae_lambda_value). None: lam."},
+    )
+    length_adaptive_alpha: float | None = field(
+        default=None,
+        metadata={"help": "Length-adaptive λ of the policy's advantages (VAPO, α = 0.05 there): λ = 1 - 1/(α·l) "
+                  "for a response of l tokens, at least 0. None: off."},
+    )
+    vf_loss_type: str = field(
+        default="clipped",
+        metadata={"help": "Value loss: 'clipped' (TRL, by cliprange_value), 'mse' or 'huber' (vf_huber_delta)."},
+    )
+    vf_huber_delta: float = field(default=1.0, metadata={"help": "δ of vf_loss_type='huber'."})
+    vf_coef_end: float | None = field(
+        default=None,
+        metadata={"help": "vf_coef moves linearly from vf_coef at the first PPO iteration to this at the last. "
+                  "None: vf_coef throughout."},
     )
     entropy_coef: float = field(
         default=0.0,
@@ -210,6 +231,27 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "'token': PPO's ratio per token; 'sequence': one ratio per response, the geometric mean "
                   "exp(mean log π_θ/π_old over its tokens), clipped alike (GSPO, Zheng et al. 2025; TRL's GRPO "
                   "field). GSPO's clip ranges are far narrower: clip_ratio_low 3e-4, clip_ratio_high 4e-4."},
+    )
+    loss_type: str | None = field(
+        default=None,
+        metadata={"help": "TRL's GRPO loss names: 'dapo' (the PPO loss, token-mean: the default), 'grpo' "
+                  "(loss_agg_mode "
+                  "seq-mean-token-mean), 'dr_grpo' (seq-mean-token-sum-norm) or 'cispo' (MiniMax-M1's clipped "
+                  "importance-sampling weights, token-mean: −sg(min(ρ, 1 + clip_ratio_high))·A·log π_θ; TRL's "
+                  "epsilon_high 5.0 is clip_ratio_high 4.0 here). None: the PPO loss with loss_agg_mode."},
+    )
+    top_entropy_quantile: float = field(
+        default=1.0,
+        metadata={"help": "Train the policy on the highest-entropy tokens only (Wang et al. 2025's 80/20: 0.2; TRL's "
+                  "GRPO field): the tokens whose entropy under π_old is in the top quantile of the rollout's real "
+                  "tokens (all processes) keep their policy loss, the others weigh 0 (the denominator unchanged). "
+                  "Needs rollout_logprobs='trainer'. 1.0: every token."},
+    )
+    mask_truncated_completions: bool = field(
+        default=False,
+        metadata={"help": "Completions cut at response_length without a stop token leave the policy loss: its terms "
+                  "and its denominator (TRL's GRPO field); the critic still learns their value. The share left "
+                  "out is rollout/truncation_rate."},
     )
     num_generations: int = field(
         default=1,
@@ -252,87 +294,8 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "With dynamic_sampling: draws of a rollout batch's worth of prompts per rollout, the first "
                   "included (veRL's name; DAPO's bound)."},
     )
-    mask_truncated_completions: bool = field(
-        default=False,
-        metadata={"help": "Completions cut at response_length without a stop token leave the policy loss: its terms "
-                  "and its denominator (TRL's GRPO field); the critic still learns their value. The share left "
-                  "out is rollout/truncation_rate."},
-    )
-    loss_type: str | None = field(
-        default=None,
-        metadata={"help": "TRL's GRPO loss names: 'dapo' (the PPO loss, token-mean: the default), 'grpo' "
-                  "(loss_agg_mode "
-                  "seq-mean-token-mean), 'dr_grpo' (seq-mean-token-sum-norm) or 'cispo' (MiniMax-M1's clipped "
-                  "importance-sampling weights, token-mean: −sg(min(ρ, 1 + clip_ratio_high))·A·log π_θ; TRL's "
-                  "epsilon_high 5.0 is clip_ratio_high 4.0 here). None: the PPO loss with loss_agg_mode."},
-    )
-    top_entropy_quantile: float = field(
-        default=1.0,
-        metadata={"help": "Train the policy on the highest-entropy tokens only (Wang et al. 2025's 80/20: 0.2; TRL's "
-                  "GRPO field): the tokens whose entropy under π_old is in the top quantile of the rollout's real "
-                  "tokens (all processes) keep their policy loss, the others weigh 0 (the denominator unchanged). "
-                  "Needs rollout_logprobs='trainer'. 1.0: every token."},
-    )
-    cast_lm_head_to_fp32: bool = field(
-        default=False,
-        metadata={"help": "Compute the policy's (and a separate reference's) LM head in fp32 with autocast off (TRL's "
-                  "GRPO field): fp32 logits under bf16/fp16, so the log-probs of the sampled tokens, the ratio and "
-                  "the KL are not rounded to bf16's 8 bits. Costs fp32 logits in memory (2x bf16's)."},
-    )
-    max_tool_calling_iterations: int | None = field(
-        default=None,
-        metadata={"help": "Multi-turn rollouts (PPOTrainer's tools, environment_factory): the most rounds of tool "
-                  "results or environment feedback in one conversation (TRL's GRPO field); the conversation ends "
-                  "after the model's turn that reaches it. None: no cap but response_length, which bounds the whole "
-                  "conversation after the prompt (model, tool and environment tokens)."},
-    )
-    max_turn_length: int | None = field(
-        default=None,
-        metadata={"help": "Multi-turn rollouts: the most tokens the model generates in one turn; a turn cut there "
-                  "ends the conversation (truncated). None: what is left of response_length."},
-    )
-    tool_timeout: float | None = field(
-        default=300.0,
-        metadata={"help": "Multi-turn rollouts: seconds a tool call or an environment's step may take; one that "
-                  "takes longer stops the run with ToolTimeoutError naming it (a call that never returns would "
-                  "stall every process). None: wait for ever."},
-    )
-    tool_errors: str = field(
-        default="feedback",
-        metadata={"help": "Multi-turn rollouts: what a tool that raises does. 'feedback' (TRL's): the model gets "
-                  "{'error': message} as the tool's result and the call counts in tools/failure_frequency; 'raise': "
-                  "the run stops with ToolCallError naming the tool, its arguments and the error."},
-    )
-    loss_agg_mode: str = field(
-        default="token-mean",
-        metadata={"help": "How per-token losses become one (veRL's names): 'token-mean' (TRL), 'token-sum', "
-                  "'seq-mean-token-sum', 'seq-mean-token-mean' (GRPO), 'seq-mean-token-sum-norm' (Dr. GRPO). Policy "
-                  "and value loss."},
-    )
-    lam_policy: float | None = field(
-        default=None,
-        metadata={"help": "GAE λ of the policy's advantages (decoupled GAE, VAPO; NeMo-RL gae_lambda_policy). None: "
-                  "lam."},
-    )
-    lam_value: float | None = field(
-        default=None,
-        metadata={"help": "GAE λ of the value targets (VAPO: 1.0; NeMo-RL gae_lambda_value). None: lam."},
-    )
-    length_adaptive_alpha: float | None = field(
-        default=None,
-        metadata={"help": "Length-adaptive λ of the policy's advantages (VAPO, α = 0.05 there): λ = 1 - 1/(α·l) "
-                  "for a response of l tokens, at least 0. None: off."},
-    )
-    vf_loss_type: str = field(
-        default="clipped",
-        metadata={"help": "Value loss: 'clipped' (TRL, by cliprange_value), 'mse' or 'huber' (vf_huber_delta)."},
-    )
-    vf_huber_delta: float = field(default=1.0, metadata={"help": "δ of vf_loss_type='huber'."})
-    vf_coef_end: float | None = field(
-        default=None,
-        metadata={"help": "vf_coef moves linearly from vf_coef at the first PPO iteration to this at the last. "
-                  "None: vf_coef throughout."},
-    )
+
+    # -- rewards and prompts (`_check_rewards_and_alarms`)
     reward_weights: list[float] | None = field(
         default=None,
         metadata={"help": "Weights of the rewards when reward_model is a list (default: all 1.0); the score is the "
@@ -370,6 +333,37 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "'left': keep the head and the last tokens that fit in max_prompt_length; 'drop': drop the "
                   "prompt. Counts are logged."},
     )
+
+    # -- alarms and faults (`_check_rewards_and_alarms`, `_check_faults`)
+    alarms: bool = field(
+        default=True,
+        metadata={"help": "Watch the metrics for PPO's failure modes and warn (trl_ext/monitoring/alarms.py)."},
+    )
+    alarm_profile: str = field(
+        default="rlhf",
+        metadata={"help": "The alarms' thresholds for the kind of run (trl_ext.monitoring.alarms.ALARM_PROFILES): "
+                  "'rlhf' (a learned reward model) or 'verifiable' (a reward with a right answer, where the entropy "
+                  "falls and the KL grows as the policy converges); alarm_thresholds override single values."},
+    )
+    alarm_thresholds: dict | str | None = field(
+        default=None,
+        metadata={"help": "Overrides of the alarm profile's thresholds, as a dict or a JSON string, e.g. "
+                  "'{\"clipfrac_max\": 0.4}'. See trl_ext.monitoring.alarms.AlarmThresholds for the names."},
+    )
+    on_nonfinite: str = field(
+        default="skip",
+        metadata={"help": "A non-finite loss or gradient norm at an optimizer step (a learning rate or a reward out "
+                  "of range): 'skip' drops that step's gradients, counts it in update/skipped_steps and stops the run "
+                  "with an error after max_skipped_steps skipped steps in a row; 'error' stops at the first. Either "
+                  "way no non-finite weights are stepped into, or saved (trl_ext/trainer/update.py)."},
+    )
+    max_skipped_steps: int = field(
+        default=10,
+        metadata={"help": "With on_nonfinite='skip': this many skipped optimizer steps in a row stop the run with an "
+                  "error naming the step and the likely cause."},
+    )
+
+    # -- rollouts from vLLM and the sampler correction (`_check_vllm`)
     use_vllm: bool = field(
         default=False,
         metadata={"help": "Sample the rollouts with a vLLM engine colocated with the trainer (`pip install -e "
@@ -427,16 +421,6 @@ class PPOConfig(PPOConfigBase):
         metadata={"help": "vLLM's context length (prompt + response). None: max_prompt_length + response_length, or "
                   "the model's max_position_embeddings."},
     )
-    rollout_logprobs: str = field(
-        default="trainer",
-        metadata={"help": "π_old, the log-probs the policy ratio is taken against: 'trainer' (the loss's own forward "
-                  "pass over the rollout: the first minibatch's ratio is exactly 1, and the sampler's log-probs are "
-                  "compared with it over every token) or 'sampler' (the sampler's log-probs, as TRL 1.12 took them "
-                  "from generate's scores: one policy forward less per rollout; the sampler-trainer "
-                  "gap is then measured on the first minibatch, before its optimizer step, and "
-                  "shows in policy/ratio_first_minibatch). 'sampler' is for a sampler that is the policy "
-                  "(fp32; see rollout/sampler_logprob_diff_*)."},
-    )
     vllm_importance_sampling_correction: bool | None = field(
         default=None,
         metadata={"help": "Weight the policy loss by π_old / π_sampler of each sampled token, truncated or masked "
@@ -456,6 +440,8 @@ class PPOConfig(PPOConfigBase):
     vllm_importance_sampling_clip_min: float | None = field(
         default=None, metadata={"help": "Lower bound of the importance weights (None: none)."},
     )
+
+    # -- asynchronous rollouts (`_check_async`)
     async_rollouts: bool = field(
         default=False,
         metadata={"help": "Generate the next rollout batches while the trainer updates on this one (docs/training.md, "
@@ -482,39 +468,8 @@ class PPOConfig(PPOConfigBase):
                   "negative advantage leaves the policy loss when its sequence's mean log π_sampler − log π_θ over "
                   "real tokens exceeds this (e.g. 0.5). None: off."},
     )
-    trust_remote_code: bool = field(
-        default=False,
-        metadata={"help": "Allow models and tokenizers with custom code from the hub: scripts pass it to "
-                  "from_pretrained (PPOTrainer loads no model itself). The field TRL's other trainer configs have, "
-                  "where ModelConfig no longer has one."},
-    )
-    alarms: bool = field(
-        default=True,
-        metadata={"help": "Watch the metrics for PPO's failure modes and warn (trl_ext/monitoring/alarms.py)."},
-    )
-    alarm_profile: str = field(
-        default="rlhf",
-        metadata={"help": "The alarms' thresholds for the kind of run (trl_ext.monitoring.alarms.ALARM_PROFILES): "
-                  "'rlhf' (a learned reward model) or 'verifiable' (a reward with a right answer, where the entropy "
-                  "falls and the KL grows as the policy converges); alarm_thresholds override single values."},
-    )
-    alarm_thresholds: dict | str | None = field(
-        default=None,
-        metadata={"help": "Overrides of the alarm profile's thresholds, as a dict or a JSON string, e.g. "
-                  "'{\"clipfrac_max\": 0.4}'. See trl_ext.monitoring.alarms.AlarmThresholds for the names."},
-    )
-    on_nonfinite: str = field(
-        default="skip",
-        metadata={"help": "A non-finite loss or gradient norm at an optimizer step (a learning rate or a reward out "
-                  "of range): 'skip' drops that step's gradients, counts it in update/skipped_steps and stops the run "
-                  "with an error after max_skipped_steps skipped steps in a row; 'error' stops at the first. Either "
-                  "way no non-finite weights are stepped into, or saved (trl_ext/trainer/update.py)."},
-    )
-    max_skipped_steps: int = field(
-        default=10,
-        metadata={"help": "With on_nonfinite='skip': this many skipped optimizer steps in a row stop the run with an "
-                  "error naming the step and the likely cause."},
-    )
+
+    # -- padding-free passes (`_check_packing`)
     padding_free: bool = field(
         default=False,
         metadata={"help": "Run every forward and backward over the real tokens only (TRL's field name): each pass "
@@ -539,13 +494,31 @@ class PPOConfig(PPOConfigBase):
                   "whole minibatch on any split. Costs one gather of the rollout per iteration. None: on with "
                   "padding_free; False: each process trains on its own rows."},
     )
-    cpu_reuse_freed_memory: bool | None = field(
+
+    # -- multi-turn rollouts (`_check_multi_turn`)
+    max_tool_calling_iterations: int | None = field(
         default=None,
-        metadata={"help": "Let glibc's malloc keep freed memory for reuse instead of page-faulting it in again each "
-                  "step (trl_ext/trainer/allocator.py): on CPU the update runs faster at the same peak memory, but "
-                  "the process's resident size no longer shrinks after a peak; process-wide. Unset: on when training "
-                  "on CPU, unless MALLOC_*, GLIBC_TUNABLES or LD_PRELOAD in the environment already choose the "
-                  "allocator. False: glibc's defaults."},
+        metadata={"help": "Multi-turn rollouts (PPOTrainer's tools, environment_factory): the most rounds of tool "
+                  "results or environment feedback in one conversation (TRL's GRPO field); the conversation ends "
+                  "after the model's turn that reaches it. None: no cap but response_length, which bounds the whole "
+                  "conversation after the prompt (model, tool and environment tokens)."},
+    )
+    max_turn_length: int | None = field(
+        default=None,
+        metadata={"help": "Multi-turn rollouts: the most tokens the model generates in one turn; a turn cut there "
+                  "ends the conversation (truncated). None: what is left of response_length."},
+    )
+    tool_timeout: float | None = field(
+        default=300.0,
+        metadata={"help": "Multi-turn rollouts: seconds a tool call or an environment's step may take; one that "
+                  "takes longer stops the run with ToolTimeoutError naming it (a call that never returns would "
+                  "stall every process). None: wait for ever."},
+    )
+    tool_errors: str = field(
+        default="feedback",
+        metadata={"help": "Multi-turn rollouts: what a tool that raises does. 'feedback' (TRL's): the model gets "
+                  "{'error': message} as the tool's result and the call counts in tools/failure_frequency; 'raise': "
+                  "the run stops with ToolCallError naming the tool, its arguments and the error."},
     )
 
     def __post_init__(self):
