@@ -69,7 +69,7 @@ from peft import LoraConfig
 from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, TrainerCallback
 
 from trl_ext import PPOConfig, PPOTrainer
-from trl_ext.models import build_shared_base, freeze_backbone
+from trl_ext.models import Packing, build_shared_base, freeze_backbone
 from trl_ext.models import generate_responses as _generate
 from trl_ext.testing import (
     loss_input_dtypes,
@@ -353,10 +353,9 @@ def micro_batch_tokens(trainer: PPOTrainer) -> list[int]:
     """Filled as the trainer runs: the real tokens of each micro-batch this process trains on."""
     tokens, original = [], trainer.update_phase.micro_batch_losses
 
-    def losses(inputs, micro, *args):
-        packing = args[4] if len(args) == 5 else None
-        tokens.append(int(inputs["attention_mask"].sum()) if packing is None else packing.num_tokens)
-        return original(inputs, micro, *args)
+    def losses(rows, micro, *args):
+        tokens.append(rows.num_tokens if isinstance(rows, Packing) else int(rows.inputs["attention_mask"].sum()))
+        return original(rows, micro, *args)
 
     trainer.update_phase.micro_batch_losses = losses
     return tokens
