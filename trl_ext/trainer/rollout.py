@@ -58,20 +58,20 @@ class _Batch:
     query_mask: torch.Tensor
     extra_columns: dict
     responses: torch.Tensor
-    response_mask: torch.Tensor
+    input_mask: torch.Tensor  # (B, T) the response positions the models read (`Rollout.input_mask`)
     sampler_logprobs: torch.Tensor
     scores: torch.Tensor | None = None  # (B,) the combined score
     source_scores: torch.Tensor | None = None  # (B, S) each source's
-    # multi-turn rollouts: response_mask is every real token of the conversation, model_mask the model's
+    # multi-turn rollouts: input_mask is every real token of the conversation, model_mask the model's
     model_mask: torch.Tensor | None = None  # (B, T) bool
     turn_rewards: torch.Tensor | None = None  # (B, T) the environment's per-turn rewards, on their turns' last tokens
     messages: list | None = None  # TRL's conversational completions: one message list per row
     environments: list | None = None  # the rows' environments (reward functions get them)
 
     @property
-    def train_mask(self) -> torch.Tensor:
-        """The tokens PPO trains on: the model's."""
-        return self.response_mask if self.model_mask is None else self.response_mask & self.model_mask
+    def response_mask(self) -> torch.Tensor:
+        """The tokens PPO trains on, the model's (`Rollout.response_mask`)."""
+        return self.input_mask if self.model_mask is None else self.input_mask & self.model_mask
 
     def select(self, rows: list[int]) -> _Batch:
         pick = torch.tensor(rows, dtype=torch.long, device=self.queries.device)
@@ -81,7 +81,7 @@ class _Batch:
             return None if x is None else x[pick] if isinstance(x, torch.Tensor) else [x[i] for i in rows]
 
         return _Batch(self.queries[pick], self.query_mask[pick], columns,
-                      self.responses[pick], self.response_mask[pick], self.sampler_logprobs[pick],
+                      self.responses[pick], self.input_mask[pick], self.sampler_logprobs[pick],
                       self.scores[pick], self.source_scores[pick], picked(self.model_mask),
                       picked(self.turn_rewards), picked(self.messages), picked(self.environments))
 
@@ -99,7 +99,7 @@ class _Batch:
                        if isinstance(parts[0].extra_columns[k], torch.Tensor)
                        else [x for p in parts for x in p.extra_columns[k]] for k in parts[0].extra_columns},
                       padded([p.responses for p in parts], pad_token_id, False),
-                      padded([p.response_mask for p in parts], False, False),
+                      padded([p.input_mask for p in parts], False, False),
                       padded([p.sampler_logprobs for p in parts], 0.0, False),
                       torch.cat([p.scores for p in parts]), torch.cat([p.source_scores for p in parts]),
                       *((padded([p.model_mask for p in parts], False, False),
@@ -173,7 +173,7 @@ class RolloutPhase:
             if self._turn_sums:
                 draw_metrics.update(self._turn_metrics())
             scored = self._score(batch)  # 3-4
-        scores = self._condition(batch.scores, batch.responses, batch.train_mask)  # 5
+        scores = self._condition(batch.scores, batch.responses, batch.response_mask)  # 5
         return self._advantages(batch, scored, scores, kl_coef, draw_metrics)  # 6-7
 
     def _draw(self, queries, query_mask, extra_columns, step: int, draw: int = 0) -> _Batch:
@@ -201,7 +201,7 @@ class RolloutPhase:
             with self.backend.unwrap().trunk.capture(self.trunk_from_reference) as captured:
                 yield captured
 
-    def _chunks(self, query_mask, response_mask) -> list[slice]:
+    def _chunks(self, query_mask, input_mask) -> list[slice]:
         """The rows of each scoring chunk: `local_rollout_forward_batch_size` rows, or consecutive rows up to
         `max_tokens_per_micro_batch` real tokens (as many chunks on every process: their forwards meet under ZeRO-3
         and FSDP)."""
@@ -209,7 +209,7 @@ class RolloutPhase:
         if args.max_tokens_per_micro_batch is None:
             step = args.local_rollout_forward_batch_size
             return [slice(start, start + step) for start in range(0, B, step)]
-        lengths = (query_mask.sum(1) + response_mask.sum(1)).tolist()
+        lengths = (query_mask.sum(1) + input_mask.sum(1)).tolist()
         return [slice(g[0], g[-1] + 1) for g in self.backend.token_groups(lengths, args.max_tokens_per_micro_batch)]
 
     def _rewards(self, batch: _Batch, trainer_state) -> tuple[torch.Tensor, torch.Tensor]:
@@ -217,12 +217,12 @@ class RolloutPhase:
         stop token and the (B, S) score of each source."""
         scores, per_source = [], []
         with self.phases("reward"), self.backend.accelerator.autocast():
-            for s in self._chunks(batch.query_mask, batch.response_mask):
+            for s in self._chunks(batch.query_mask, batch.input_mask):
                 extra = {k: v[s] for k, v in batch.extra_columns.items()}
                 if batch.environments is not None:  # TRL's: reward functions may read the episodes' environments
                     extra["environments"] = batch.environments[s]
                 combined, sources = self.reward_scorer(batch.queries[s], batch.query_mask[s], batch.responses[s],
-                                                       batch.response_mask[s], extra, trainer_state=trainer_state,
+                                                       batch.input_mask[s], extra, trainer_state=trainer_state,
                                                        conversations=None if batch.messages is None
                                                        else batch.messages[s])
                 scores.append(combined)
@@ -263,16 +263,16 @@ class RolloutPhase:
     def _score(self, batch: _Batch) -> _Scored:
         """Steps 3-4 in chunks of rows (`_chunks`); padding-free, each chunk's real tokens run as one sequence."""
         args, accelerator, model = self.args, self.backend.accelerator, self.backend.model
-        queries, query_mask, responses, response_mask = (batch.queries, batch.query_mask, batch.responses,
-                                                         batch.response_mask)
+        queries, query_mask, responses, input_mask = (batch.queries, batch.query_mask, batch.responses,
+                                                      batch.input_mask)
         policy = self.backend.unwrap().policy
         trunk = getattr(self.backend.unwrap(), "trunk", None)  # the critic's frozen trunk, its output kept
         parts = {name: [] for name in ("logprobs", "ref_logprobs", "values", "trunk", "entropy")}
         entropy = args.top_entropy_quantile < 1  # π_old's entropy from the same logits
-        for s in self._chunks(query_mask, response_mask):
-            inputs = sequence_inputs(queries[s], query_mask[s], responses[s], response_mask[s])
+        for s in self._chunks(query_mask, input_mask):
+            inputs = sequence_inputs(queries[s], query_mask[s], responses[s], input_mask[s])
             # padding-free: logits only where they predict a token PPO trains on (not a tool's)
-            rows = self.rows(inputs, batch.train_mask[s])
+            rows = self.rows(inputs, batch.response_mask[s])
             # 3. a reference holding the critic's frozen trunk computes its output on the way (trunk_from_reference)
             with self.phases("reference"), accelerator.autocast(), self._reference_trunk() as captured:
                 parts["ref_logprobs"].append(self.reference.logprobs(policy, rows))
@@ -287,7 +287,7 @@ class RolloutPhase:
                     parts["trunk"].append(rows.unpack(captured[0]))
                 if args.rollout_logprobs == "sampler":
                     value = model(**rows.inputs, role="value", **kept)
-                    parts["logprobs"].append(batch.sampler_logprobs[s].to(value.device) * response_mask[s])
+                    parts["logprobs"].append(batch.sampler_logprobs[s].to(value.device) * input_mask[s])
                 else:
                     logits, value = model(**rows.inputs, logits_to_keep=rows.keep, **kept)  # (B, T+1, V) / (1, R, V)
                     parts["logprobs"].append(rows.logprobs(logits, args.temperature))
@@ -301,23 +301,23 @@ class RolloutPhase:
         if batch.model_mask is not None:  # the tools' tokens are not the policy's: nothing of them is kept
             logprobs, ref_logprobs = logprobs * batch.model_mask, ref_logprobs * batch.model_mask
         return _Scored(logprobs=logprobs, ref_logprobs=ref_logprobs,
-                       values=torch.cat(parts["values"]) * batch.train_mask,
+                       values=torch.cat(parts["values"]) * batch.response_mask,
                        trunk_hidden=torch.cat(parts["trunk"]) if trunk is not None else None,
                        entropy=torch.cat(parts["entropy"]) if entropy else None)
 
-    def _condition(self, scores, responses, train_mask) -> torch.Tensor:
+    def _condition(self, scores, responses, response_mask) -> torch.Tensor:
         """Score conditioning: normalise (running statistics over all processes) and clip, then the stop penalty."""
         args = self.args
         if args.reward_norm == "running":
             self.reward_normalizer.update(self.backend.gather(scores))
         scores = self.reward_normalizer.normalize(scores)
         if args.missing_eos_penalty is not None:
-            scores = scores - args.missing_eos_penalty * (~self._stopped(responses, train_mask)).float()
+            scores = scores - args.missing_eos_penalty * (~self._stopped(responses, response_mask)).float()
         return scores
 
-    def _stopped(self, responses, train_mask) -> torch.Tensor:
+    def _stopped(self, responses, response_mask) -> torch.Tensor:
         """(B,) bool: the response (the conversation's last model turn) ends with the stop token."""
-        last = responses.gather(1, last_true_index(train_mask)[:, None])[:, 0]
+        last = responses.gather(1, last_true_index(response_mask)[:, None])[:, 0]
         return last == self.stop_token_id
 
     def _turn_metrics(self) -> dict[str, float]:
@@ -340,7 +340,7 @@ class RolloutPhase:
         recursions run over the model's tokens only (core.turns: compacted to the front of each row and put back),
         so the score lands on the conversation's last model token, each environment reward on its turn's last
         token, and the GAE's discount skips the tools' tokens."""
-        args, logprobs, mask = self.args, scored.logprobs, batch.train_mask
+        args, logprobs, mask = self.args, scored.logprobs, batch.response_mask
         if batch.model_mask is None:
             along, back, cmask = (lambda x: x), (lambda x: x), mask
         else:
@@ -403,5 +403,5 @@ class RolloutPhase:
                        sampler_weights=sampler_weights,
                        advantage_lam=lam_policy if isinstance(lam_policy, torch.Tensor) else None,
                        trunk_hidden=scored.trunk_hidden, policy_mask=policy_mask, entropy_mask=entropy_mask,
-                       context_mask=batch.response_mask if multi_turn else None,
+                       context_mask=batch.input_mask if multi_turn else None,
                        turn_rewards=batch.turn_rewards if multi_turn else None, draw_metrics=draw_metrics)
