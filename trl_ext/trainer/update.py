@@ -47,13 +47,18 @@ from ..models import LOGPROB_CHUNK, Packing, Padded, model_input_ids, row_layout
 from .backend import Backend
 
 
+def _padded(micro: Rollout) -> Padded:
+    """`micro`'s rows laid out padded, as `sequence_inputs` does (the losses read only the response ids)."""
+    return Padded(None, model_input_ids(micro.responses, micro.input_mask))
+
+
 def policy_terms(logits: torch.Tensor, micro: Rollout, args, denominator, rows: Padded | Packing | None = None):
     """(b, T+1 or L, V) policy logits, or (1, R, V) at a packing's response positions -> (policy loss, its stats,
     mean entropy); `rows`: how the forward laid the rows out (default: `micro`'s rows padded). The entropy is taken
     under no_grad in chunks, so nothing but autograd's own reference keeps the logits after this returns. With
     entropy_coef the loss has the entropy bonus −c·H, H aggregated as the policy loss is (loss_agg_mode, veRL's
     rule), and the entropy keeps its graph: each chunk's softmax until backward."""
-    rows = Padded(None, model_input_ids(micro.responses, micro.input_mask)) if rows is None else rows
+    rows = _padded(micro) if rows is None else rows
     response_logits = rows.response_logits(logits)  # (b, T, V) or (1, R, V): the positions that predict responses
     mask = micro.response_mask if micro.policy_mask is None else micro.policy_mask  # the policy loss's tokens
     new_logprobs = token_logprobs(response_logits, rows.token_ids, args.temperature, LOGPROB_CHUNK)
@@ -111,7 +116,7 @@ def kl_loss_terms(logprobs: torch.Tensor, micro: Rollout, args) -> torch.Tensor:
 
 def value_terms(values: torch.Tensor, micro: Rollout, args, denominator, rows: Padded | Packing | None = None):
     """(b, L) value-head outputs, or (1, N) over a packing -> (value loss, its stats); `rows` as `policy_terms`'."""
-    rows = Padded(None, micro.responses) if rows is None else rows  # (only its width is read)
+    rows = _padded(micro) if rows is None else rows
     vpred = rows.values(values).float()
     return value_loss(vpred, micro.values, micro.returns, micro.response_mask, args.vf_loss_type,
                       args.cliprange_value, args.vf_huber_delta, denominator, args.loss_agg_mode)
