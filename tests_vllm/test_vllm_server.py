@@ -336,7 +336,7 @@ def test_async_rollouts_draw_with_the_version_before_and_max_staleness_0_is_sync
     versions, rollouts = {}, []
 
     def record(t):
-        weights, phase = t.async_engine.weights, t.rollout
+        weights, phase = t.async_engine.weights, t.rollout_phase.run
 
         def keep_weights(policy, version):
             versions[version] = {n: p.detach().clone() for n, p in policy.named_parameters() if p.requires_grad}
@@ -346,10 +346,10 @@ def test_async_rollouts_draw_with_the_version_before_and_max_staleness_0_is_sync
             rollouts.append(phase(*args, **kwargs))
             return rollouts[-1]
 
-        t.async_engine.weights, t.rollout = keep_weights, keep_rollout
+        t.async_engine.weights, t.rollout_phase.run = keep_weights, keep_rollout
 
     one, _ = train(tmp_path / "one", steps, async_rollouts=True, max_staleness=1, before_train=record, **at)
-    assert [(e["step"], e["version"]) for e in one.async_rollouts.log] == [(0, 0), (1, 0), (2, 1), (3, 2)]
+    assert [(e["step"], e["version"]) for e in one.rollouts.log] == [(0, 0), (1, 0), (2, 1), (3, 2)]
     left = [a for a in server.adapters() if a.startswith(f"trl_ext-{one.vllm.tag}")]
     assert left == [f"trl_ext-{one.vllm.tag}-step2"]  # the last version drawn with; the older ones unloaded
     policy = one.unwrapped.policy

@@ -158,15 +158,13 @@ def record_prompts(trainer: PPOTrainer) -> list:
     rows first (a collective per iteration)."""
     from accelerate.utils import gather_object
 
-    seen, next_batch = [], trainer._next_batch
+    seen, run = [], trainer.rollout_phase.run
 
-    def recorded(batches):
-        batch, drawn, waited = next_batch(batches)
-        seen.append(gather_object([ids[mask.bool()].tolist() for ids, mask in
-                                   zip(batch["input_ids"], batch["attention_mask"])]))
-        return batch, drawn, waited
+    def recorded(queries, query_mask, *args, **kwargs):
+        seen.append(gather_object([ids[mask.bool()].tolist() for ids, mask in zip(queries, query_mask)]))
+        return run(queries, query_mask, *args, **kwargs)
 
-    trainer._next_batch = recorded
+    trainer.rollout_phase.run = recorded
     return seen
 
 
@@ -515,7 +513,7 @@ def run(name: str, out: str) -> dict:
         else:
             t = make(run_dir)
             t.train()
-        extra["async_log"] = t.async_rollouts.log
+        extra["async_log"] = t.rollouts.log
     elif name == "dynamic":  # groups of 2; half the prompts score every completion 0: constant groups, redrawn
         t = build(run_dir, per_device, 3, num_generations=2, dynamic_sampling=True, max_num_gen_batches=3,
                   reward=half_constant_reward)

@@ -130,7 +130,7 @@ def test_max_staleness_0_is_synchronous_ppo_exactly(tmp_path):
     assert torch.equal(flat(asynchronous.unwrapped.value_model), flat(sync.unwrapped.value_model))
     assert without_async_keys(step_logs(asynchronous)) == comparable(step_logs(sync))
     assert [log["rollout/staleness"] for log in step_logs(asynchronous)] == [0.0] * 4
-    assert asynchronous.async_rollouts.publish_log == [0, 1, 2, 3]  # every batch waits for the update before it
+    assert asynchronous.rollouts.publish_log == [0, 1, 2, 3]  # every batch waits for the update before it
 
 
 def test_max_staleness_1_trains_one_version_old_with_the_hand_computed_correction(tmp_path):
@@ -139,7 +139,7 @@ def test_max_staleness_1_trains_one_version_old_with_the_hand_computed_correctio
     t = make_trainer(config(tmp_path, async_rollouts=True, max_staleness=1, total_episodes=20,
                             vllm_importance_sampling_mode="token_truncate", vllm_importance_sampling_clip_max=1e6))
     versions, rollouts = {}, []
-    weights, phase = t.async_engine.weights, t.rollout
+    weights, phase = t.async_engine.weights, t.rollout_phase.run
 
     def keep_weights(policy, version):  # the trained tensors of every version the sampler gets
         got = weights(policy, version)
@@ -150,12 +150,12 @@ def test_max_staleness_1_trains_one_version_old_with_the_hand_computed_correctio
         rollouts.append(phase(*args, **kwargs))
         return rollouts[-1]
 
-    t.async_engine.weights, t.rollout = keep_weights, keep_rollout
+    t.async_engine.weights, t.rollout_phase.run = keep_weights, keep_rollout
     t.train()
 
-    log = t.async_rollouts.log
+    log = t.rollouts.log
     assert [(e["step"], e["version"]) for e in log] == [(0, 0), (1, 0), (2, 1), (3, 2), (4, 3)]
-    assert t.async_rollouts.publish_log == [0, 1, 2, 3]  # version 4 draws nothing: never published
+    assert t.rollouts.publish_log == [0, 1, 2, 3]  # version 4 draws nothing: never published
     assert [m["rollout/staleness"] for m in step_logs(t)] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert [m["rollout/staleness_max"] for m in step_logs(t)] == [0.0, 1.0, 1.0, 1.0, 1.0]
     assert all(m["rollout/dropped_share"] == 0.0 for m in step_logs(t))
@@ -216,7 +216,7 @@ def test_a_lower_max_staleness_on_resume_drops_the_saved_draws_that_are_too_old(
     first.train()  # saved: batch 3 (drawn by version 1) and batch 4 (version 2), both 2 versions old
     resumed = make_trainer(config(tmp_path, max_staleness=1, **kw))
     resumed.train(resume_from_checkpoint=str(tmp_path / "checkpoint-3"))
-    log = resumed.async_rollouts.log  # both dropped and drawn again by the checkpoint's version 3
+    log = resumed.rollouts.log  # both dropped and drawn again by the checkpoint's version 3
     assert [(e["step"], e["version"], e["dropped"]) for e in log] == [(3, 3, 1), (4, 3, 1), (5, 4, 0)]
     assert all(e["staleness"] <= 1 for e in log)
     logs = step_logs(resumed)  # dropped draws / (dropped + trained batches), over the run: 3 trained before
@@ -250,7 +250,7 @@ def test_a_nan_in_the_sampler_thread_stops_the_run_with_the_trainers_message_and
     with pytest.raises(FloatingPointError, match=r"Iteration 1: the policy's next-token probabilities hold NaN/inf.*"
                                                  r"learning_rate=0.001 too high"):
         t.train()
-    assert not t.async_rollouts.thread.is_alive()
+    assert not t.rollouts.thread.is_alive()
 
 
 def test_settings_async_rollouts_cannot_run_with_are_refused_at_construction(tmp_path):

@@ -69,8 +69,8 @@ def train(tmp_path, layout="full", **kw):
                          train_dataset=dataset, value_model=value, **extra)
     assert isinstance(trainer.optimizer.optimizer, torch.optim.SGD)  # see the module docstring
     rollouts, tokens = [], []
-    original_rollout, original_losses = trainer.rollout, trainer.update_phase.micro_batch_losses
-    trainer.rollout = lambda *a, **k: rollouts.append(original_rollout(*a, **k)) or rollouts[-1]
+    original_rollout, original_losses = trainer.rollout_phase.run, trainer.update_phase.micro_batch_losses
+    trainer.rollout_phase.run = lambda *a, **k: rollouts.append(original_rollout(*a, **k)) or rollouts[-1]
 
     def losses(rows, micro, *a):
         tokens.append(rows.num_tokens if isinstance(rows, Packing) else int(rows.inputs["attention_mask"].sum()))

@@ -31,19 +31,19 @@ def config(tmp_path, **kw):
 
 
 class Capture(TrainerCallback):
-    """The logged metrics of each step, and the first rollout (trainer.rollout wrapped)."""
+    """The logged metrics of each step, and the rollouts (the rollout phase's run wrapped)."""
 
     def __init__(self, trainer):
         self.logs, self.rollouts = [], []
         trainer.add_callback(self)
-        original = trainer.rollout
+        original = trainer.rollout_phase.run
 
         def rollout(*args, **kwargs):
             r = original(*args, **kwargs)
             self.rollouts.append(r)
             return r
 
-        trainer.rollout = rollout
+        trainer.rollout_phase.run = rollout
 
     def on_log(self, args, state, control, logs=None, **kwargs):
         if logs and "objective/kl" in logs:

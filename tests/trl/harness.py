@@ -68,7 +68,7 @@ def run(trainer) -> dict:
 
         trainer.log = log_and_capture
     else:
-        original_rollout = trainer.rollout
+        original_rollout = trainer.rollout_phase.run
 
         def rollout_and_capture(*args, **kwargs):
             r = original_rollout(*args, **kwargs)
@@ -78,7 +78,7 @@ def run(trainer) -> dict:
                     "query_mask")})
             return r
 
-        trainer.rollout = rollout_and_capture
+        trainer.rollout_phase.run = rollout_and_capture
     trainer.train()
     captured["logs"] = [entry for entry in logs.logs if "objective/scores" in entry]
     return captured

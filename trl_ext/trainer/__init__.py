@@ -2,10 +2,11 @@
 
     ppo_trainer.py   PPOTrainer: TRL's API, train() (rollout -> update -> metrics), evaluation calls
     builders.py      the set-up: each builder returns one collaborator (rewards, models, accelerator, samplers...)
-    rollout.py       steps 1-7 (generate, score, rewards, advantages): a `Rollout` (`core/types.py`)
+    rollout.py       steps 1-7 (generate, score, rewards, advantages): a `Rollout` (`core/types.py`); the
+                     synchronous rollout source (`SyncRollouts`)
     update.py        step 8: PPO epochs over minibatches of micro-batches, the loss terms
     sampling.py      every draw of responses: the rollout's, evaluation's and the samples' (HF generate or vLLM)
-    async_rollouts.py  async_rollouts: the sampler's thread, the version schedule, the hand-over to the trainer
+    async_rollouts.py  async_rollouts' rollout source: the sampler's thread, the version schedule, the hand-over
     backend.py       the engine (one process, DDP, DeepSpeed ZeRO-1/2/3, FSDP2) and the model layout, decided once
     checkpoint.py    checkpoint-N: what it holds, writing it atomically, resuming from it (`Checkpoints`)
     multi_turn.py    tools, environments and rollout_func: the conversation loop, run_episodes' episodes

@@ -40,6 +40,8 @@ from dataclasses import dataclass
 
 import torch
 
+from ..core.types import Rollout
+from .rollout import prompt_tensors
 from .seeds import request_seeds, rollout_seed
 
 DRAWN_FILE = "async_rollouts_{process}.pt"  # in a checkpoint: the batches drawn with versions older than it
@@ -123,8 +125,9 @@ class AsyncRollouts:
     draws, by step, and the counts behind the metrics."""
 
     def __init__(self, engine, batches, device: torch.device, first_step: int, total_steps: int, max_staleness: int,
-                 weight_sync_steps: int, saved: dict | None = None):
+                 weight_sync_steps: int, saved: dict | None = None, phase=None):
         self.engine, self.batches, self.device = engine, batches, device
+        self.phase = phase  # the RolloutPhase that runs steps 3-7 of a draw (`next`)
         self.first_step, self.total_steps = first_step, total_steps
         self.max_staleness, self.weight_sync_steps = max_staleness, weight_sync_steps
         saved = saved or {}
@@ -186,6 +189,16 @@ class AsyncRollouts:
         self.dropped += drawn.dropped
         self.log.append({"step": step, "version": drawn.version, "staleness": staleness, "dropped": drawn.dropped})
         return drawn, time.perf_counter() - start
+
+    def next(self, step: int, kl_coef: float, trainer_state=None) -> Rollout:
+        """Iteration `step`'s Rollout (the rollout source's call, as `SyncRollouts.next`): its draw, waited for, then
+        steps 3-7 at the current policy; the draw's staleness and waits ride on `Rollout.draw_metrics`."""
+        drawn, waited = self.take(step)
+        queries, query_mask, columns = prompt_tensors(drawn.batch, self.device)
+        rollout = self.phase.run(queries, query_mask, columns, kl_coef=kl_coef, step=step, trainer_state=trainer_state,
+                                 drawn=(drawn.responses, drawn.response_mask, drawn.sampler_logprobs))
+        rollout.draw_metrics.update(self.metrics(drawn, waited))
+        return rollout
 
     def state(self, step: int) -> dict:
         """At a checkpoint of iteration `step` (the trainer's next batch): the draws of batches >= step made with

@@ -1,13 +1,15 @@
 """The set-up of a `PPOTrainer` as builders: each reads the config and what the user passed and returns one
 collaborator (the stop token, the multi-turn engine, the prompts, the rewards, the policy and reference, the critic,
-the accelerator, the callbacks, the dataloaders, the critic's trunk source, the vLLM sampler, the async sampler), or
-raises the error that names the setting and its fix. `PPOTrainer.__init__` calls them in order, the order random
-numbers are drawn in; what needs transformers' Trainer itself (the optimizer, the callback handler, the state) stays
-there. The checks of two settings that need only the config are `PPOConfig`'s; those here need the models or data.
+the accelerator, the callbacks, the dataloaders, the critic's trunk source, the vLLM sampler, the async sampler, the
+rollout source), or raises the error that names the setting and its fix. `PPOTrainer.__init__` calls them in order,
+the order random numbers are drawn in; what needs transformers' Trainer itself (the optimizer, the callback handler,
+the state) stays there. The checks of two settings that need only the config are `PPOConfig`'s; those here need the
+models or data.
 """
 
 from __future__ import annotations
 
+import functools
 import math
 from dataclasses import dataclass, field
 
@@ -40,9 +42,10 @@ from ..models import (
 from ..monitoring.alarms import AlarmCallback, profile_thresholds
 from ..monitoring.callbacks import MetricsFileCallback
 from ..rewards import RewardNormalizer, RewardScorer, has_score_head
-from .async_rollouts import ServerSampler, ThreadSampler
+from .async_rollouts import AsyncRollouts, ServerSampler, ThreadSampler
 from .backend import reference_copy
 from .multi_turn import MultiTurn, RolloutFunction
+from .rollout import SyncRollouts
 from .sampling import colocated_vllm, server_vllm
 
 if is_peft_available():
@@ -429,6 +432,16 @@ def vllm_sampler(args, backend, shared, policy, tokenizer, sampling, local_seed:
     whole_policy = shared is None and not backend.params_sharded
     return colocated_vllm(args, policy, tokenizer, sampling, accelerator.device, whole_policy, local_seed,
                           accelerator.num_processes)
+
+
+def rollout_source(args, phase, async_engine, device: torch.device):
+    """How each iteration gets its Rollout, chosen once: `open(batches, first_step, saved)` -> a `SyncRollouts` (the
+    trainer's thread draws each batch when it needs it) or, with async_rollouts, an `AsyncRollouts` (a sampler
+    thread draws ahead with older policy versions; `saved`: its draws from a checkpoint)."""
+    if async_engine is None:
+        return functools.partial(SyncRollouts, phase, device=device)
+    return functools.partial(AsyncRollouts, async_engine, device=device, total_steps=args.num_total_batches,
+                             max_staleness=args.max_staleness, weight_sync_steps=args.weight_sync_steps, phase=phase)
 
 
 def async_sampler(args, vllm, shared, params_sharded: bool, sampler, policy):

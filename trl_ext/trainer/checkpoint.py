@@ -543,8 +543,9 @@ class Checkpoints:
             # the optimizer and scheduler (DeepSpeed: its engine checkpoint, with the weights; FSDP2: its own files)
             trainer._save_optimizer_and_scheduler(folder)
             trainer._save_rng_state(folder)
-            if trainer.async_rollouts is not None:  # the draws made with versions older than this checkpoint
-                save_drawn(folder, self.accelerator.process_index, trainer.async_rollouts.state(state.global_step))
+            drawn = trainer.rollouts.state(state.global_step)  # async: the draws made with older versions
+            if drawn is not None:
+                save_drawn(folder, self.accelerator.process_index, drawn)
             if main:
                 callbacks = trainer.callback_handler.callbacks + [trainer.control]
                 for cb in [cb for cb in callbacks if isinstance(cb, ExportableState)]:

@@ -2,14 +2,15 @@
 
 One PPO iteration (`train()`), in TRL's numbered steps, each phase in its own file of this package:
 
-    rollout = self.rollout(queries, query_mask)   # 1-7: generate, mask, log-probs, values, scores, rewards, GAE
+    rollout = self.rollouts.next(step, β)         # 1-7: generate, mask, log-probs, values, scores, rewards, GAE
     stats = self.ppo_update(rollout)              # 8: PPO epochs over minibatches (clipped losses, grad clipping)
     self.log(self.metrics(rollout, stats))        # 9: log over real tokens only
 
-The constructor calls the set-up builders (builders.py) in order, each returning one collaborator; the phases it
-builds (`rollout_phase`: rollout.py, `update_phase`: update.py, `evaluator`: evaluation.py) each receive only what
-they use, and every question about the engine or the model layout goes to `backend` (backend.py). Saving and
-resuming: `checkpoints` (checkpoint.py).
+The constructor calls the set-up builders (builders.py) in order, each returning one collaborator (among them the
+rollout source: `SyncRollouts`, or `AsyncRollouts`' sampler thread); the phases it builds (`rollout_phase`:
+rollout.py, `update_phase`: update.py, `evaluator`: evaluation.py) each receive only what they use, and every
+question about the engine or the model layout goes to `backend` (backend.py). Saving and resuming: `checkpoints`
+(checkpoint.py).
 
 Shapes: B = rollouts, Q = query length (left-padded), T = response length.
 """
@@ -54,10 +55,10 @@ from .allocator import reuse_freed_memory
 from .async_rollouts import AsyncRollouts
 from .backend import Backend, Reference
 from .checkpoint import VALUE_MODEL_DIR, Checkpoints, WeightGrowth, recovery_advice
-from .evaluation import Evaluator, dataset_columns
+from .evaluation import Evaluator
 from .multi_turn import MultiTurn, RolloutFunction
 from .preemption import Preemption
-from .rollout import MorePrompts, RolloutPhase
+from .rollout import MorePrompts, RolloutPhase, SyncRollouts
 from .sampling import ResponseSampler
 from .seeds import process_seed
 from .update import PPOUpdate, vf_coef_at
@@ -171,7 +172,9 @@ class PPOTrainer(PPOTrainerBase):
         self._setup_phases()
         self.async_engine = build.async_sampler(args, self.vllm, self.shared, self.backend.params_sharded,
                                                 self.sampler, self.unwrapped.policy) if args.async_rollouts else None
-        self.async_rollouts: AsyncRollouts | None = None  # the sampler's thread of the last train() (its logs)
+        # each train() opens the rollout source on its prompt batches: synchronous, or async_rollouts' sampler thread
+        self.open_rollouts = build.rollout_source(args, self.rollout_phase, self.async_engine, self.accelerator.device)
+        self.rollouts: SyncRollouts | AsyncRollouts | None = None  # the last train()'s source (async: its logs)
         self._resumed_draws: dict = {}  # what a checkpoint saved of async_rollouts' draws
 
     # ------------------------------------------------------------------------------------------------ setup steps
@@ -401,14 +404,11 @@ class PPOTrainer(PPOTrainerBase):
                                disable=args.disable_tqdm or not self.is_world_process_zero())
         self.phases.add(progress)
 
-        if self.async_engine is not None:  # the sampler's thread iterates the prompt batches from here on
-            self.async_rollouts = AsyncRollouts(
-                self.async_engine, batches, self.accelerator.device, self.state.global_step, args.num_total_batches,
-                args.max_staleness, args.weight_sync_steps, saved=self._resumed_draws)
-            self.async_rollouts.start(self.unwrapped.policy)
+        self.rollouts = self.open_rollouts(batches, first_step=self.state.global_step, saved=self._resumed_draws)
+        self.rollouts.start(self.unwrapped.policy)
         try:
             with Preemption() as preemption:
-                self._train_loop(batches, progress, start_time, start_episode, preemption)
+                self._train_loop(progress, start_time, start_episode, preemption)
             progress.close()
             self.phases.listeners.remove(progress)
             self.control = self.callback_handler.on_train_end(args, self.state, self.control)
@@ -416,8 +416,7 @@ class PPOTrainer(PPOTrainerBase):
                 self._save_checkpoint(self.model, trial=None)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
         finally:
-            if self.async_rollouts is not None:  # the sampler stops after its current draw
-                self.async_rollouts.close()
+            self.rollouts.close()  # (async: the sampler stops after its current draw)
 
     def _in_critic_warmup(self, rollout: Rollout) -> bool:
         """Whether this iteration trains the critic alone: the first critic_warmup_steps iterations, or with
@@ -431,24 +430,10 @@ class PPOTrainer(PPOTrainerBase):
             self.critic_warmup_ended = explained >= args.critic_warmup_explained_variance
         return not self.critic_warmup_ended
 
-    def _next_batch(self, batches):
-        """This iteration's prompt batch, and with async_rollouts the sampler thread's draw of it (a `Drawn`, with
-        the policy version that drew it) and the seconds the trainer waited for it."""
-        drawn, waited = None, 0.0
-        if self.async_rollouts is None:
-            batch = next(batches)
-        else:
-            drawn, waited = self.async_rollouts.take(self.state.global_step)
-            batch = drawn.batch
-        if "attention_mask" not in batch:
-            raise ValueError("The data collator must return `attention_mask` with `input_ids` (PPO needs the "
-                             "real prompt mask; pad ids are not used to guess it).")
-        return batch, drawn, waited
-
-    def _train_loop(self, batches, progress, start_time: float, start_episode: int, preemption: Preemption) -> None:
+    def _train_loop(self, progress, start_time: float, start_episode: int, preemption: Preemption) -> None:
         """The iterations from the current global step on; each ends at a safe boundary where a signal received
         (`preemption`) saves a checkpoint and exits the process with status 0."""
-        args, device = self.args, self.accelerator.device
+        args = self.args
         for update in range(self.state.global_step + 1, args.num_total_batches + 1):
             iteration_start = time.perf_counter()
             self.state.episode += args.batch_size
@@ -456,10 +441,7 @@ class PPOTrainer(PPOTrainerBase):
             # 1-7. rollout: generate (async_rollouts: the sampler thread's draw), score, shape rewards with the
             # current β, advantages
             try:
-                batch, drawn, waited = self._next_batch(batches)
-                rollout = self.rollout(batch["input_ids"].to(device), batch["attention_mask"].to(device),
-                                       dataset_columns(batch), drawn=None if drawn is None else
-                                       (drawn.responses, drawn.response_mask, drawn.sampler_logprobs))
+                rollout = self.rollouts.next(self.state.global_step, kl_coef, self.state)
             except FloatingPointError as e:  # the sampler met NaN/inf probabilities
                 raise FloatingPointError(f"Iteration {update}: {e} Likely cause: learning_rate={args.learning_rate:g} "
                                          f"too high. {recovery_advice(args.output_dir, self.weight_growth)}") from e
@@ -469,12 +451,9 @@ class PPOTrainer(PPOTrainerBase):
                 stats = self.ppo_update(rollout, critic_only=warmup)
             except FloatingPointError as e:  # on_nonfinite: no finite step to take
                 raise FloatingPointError(f"{e} {recovery_advice(args.output_dir, self.weight_growth)}") from e
-            if self.async_rollouts is not None:  # version global_step + 1 to the sampler, if a batch needs it
-                self.async_rollouts.publish(self.unwrapped.policy, self.state.global_step + 1)
+            self.rollouts.publish(self.unwrapped.policy, self.state.global_step + 1)  # (async: if a batch needs it)
             # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
             metrics = self.metrics(rollout, stats, kl_coef, warmup)
-            if drawn is not None:
-                metrics.update(self.async_rollouts.metrics(drawn, waited))
             metrics["eps"] = (self.state.episode - start_episode) / max(time.time() - start_time, 1e-9)  # episodes/s
             # real tokens of all processes per second of this iteration's rollout and update
             metrics["perf/tokens_per_second"] = metrics["rollout/tokens"] / (time.perf_counter() - iteration_start)

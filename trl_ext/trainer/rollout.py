@@ -133,6 +133,43 @@ class MorePrompts:
         return batch["input_ids"].to(self.device), batch["attention_mask"].to(self.device), dataset_columns(batch)
 
 
+def prompt_tensors(batch: dict, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, dict]:
+    """A collated prompt batch -> its (B, Q) ids and mask on `device` and its other dataset columns."""
+    if "attention_mask" not in batch:
+        raise ValueError("The data collator must return `attention_mask` with `input_ids` (PPO needs the "
+                         "real prompt mask; pad ids are not used to guess it).")
+    return batch["input_ids"].to(device), batch["attention_mask"].to(device), dataset_columns(batch)
+
+
+class SyncRollouts:
+    """The rollout source of synchronous PPO (single-turn, tools, environments and rollout_func alike): iteration
+    k's prompt batch is drawn and made into its Rollout on the trainer's thread when the iteration asks for it. The
+    trainer opens one per train() (`builders.rollout_source` picks it or `AsyncRollouts`, which answers the same
+    calls: start, next, publish, state, close)."""
+
+    def __init__(self, phase: RolloutPhase, batches, device: torch.device, first_step: int = 0,
+                 saved: dict | None = None):
+        self.phase, self.batches, self.device = phase, batches, device
+
+    def start(self, policy) -> None:
+        """Nothing runs beside the trainer."""
+
+    def next(self, step: int, kl_coef: float, trainer_state=None) -> Rollout:
+        """Iteration `step`'s Rollout, rewards shaped with β = `kl_coef`."""
+        queries, query_mask, columns = prompt_tensors(next(self.batches), self.device)
+        return self.phase.run(queries, query_mask, columns, kl_coef=kl_coef, step=step, trainer_state=trainer_state)
+
+    def publish(self, policy, version: int) -> None:
+        """Each draw reads the policy as it is."""
+
+    def state(self, step: int) -> None:
+        """Nothing is drawn ahead: a checkpoint saves nothing of the source."""
+        return None
+
+    def close(self) -> None:
+        """Nothing to stop."""
+
+
 class RolloutPhase:
     """Steps 1-7 on a batch of left-padded prompts. Holds what they use: the config, the backend (the trained module
     and the processes), the sampler, the reference, the rewards and their normaliser, and the phase hooks.
