@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ._trl import PPOConfigBase
+from .config_grpo import GRPONames
 from .core import (
     IMPORTANCE_SAMPLING_LEVELS,
     KL_CONTROLLERS,
@@ -59,11 +60,12 @@ def _check(ok: bool, message: str) -> None:
 
 
 @dataclass
-class PPOConfig(PPOConfigBase):
+class PPOConfig(GRPONames, PPOConfigBase):
     r"""
     Configuration for [`trl_ext.PPOTrainer`]: TRL 1.12's `PPOConfig` fields, each with its meaning (see the module
-    docstring for the defaults trl_ext changes and why), then trl_ext's own, grouped as `_validate` checks them. Each
-    field is documented once, in its `help` (`--help` on the command line prints them).
+    docstring for the defaults trl_ext changes and why), then TRL GRPOConfig's names PPO's fields lack
+    (`config_grpo.GRPONames`), then trl_ext's own, grouped as `_validate` checks them. Each field is documented
+    once, in its `help` (`--help` on the command line prints them).
     """
 
     # -- TRL's fields whose default trl_ext changes
@@ -143,10 +145,11 @@ class PPOConfig(PPOConfigBase):
                   "iterations) ends at the first rollout whose val/explained_variance reaches this (e.g. 0.5); that "
                   "rollout already updates the policy. None: critic_warmup_steps iterations."},
     )
-    value_model_init: str = field(
-        default="given",
+    value_model_init: str | None = field(
+        default=None,
         metadata={"help": "'given' (the value_model argument), 'reward_model' (a copy of it) or 'policy' (the "
-                  "policy backbone with a new 1-output head)."},
+                  "policy backbone with a new 1-output head). Unset: 'given' when a value_model is passed, else "
+                  "'policy' (a critic made for you, printed at start-up)."},
     )
     value_head_init: str | None = field(
         default=None,
@@ -522,6 +525,7 @@ class PPOConfig(PPOConfigBase):
     )
 
     def __post_init__(self):
+        self.resolve_grpo_names()  # GRPO's names onto PPO's fields, GRPO-only options checked (config_grpo.py)
         if self.vllm_importance_sampling_correction is None:  # no π_old / π_sampler when π_old is the sampler's
             stale = self.async_rollouts and self.max_staleness > 0  # a sampler one or more versions behind
             self.vllm_importance_sampling_correction = (self.use_vllm or stale) and self.rollout_logprobs != "sampler"
@@ -697,7 +701,7 @@ class PPOConfig(PPOConfigBase):
                    self.critic_warmup_explained_variance <= 1 and self.critic_warmup_steps > 0),
                f"critic_warmup_explained_variance={self.critic_warmup_explained_variance} needs a value <= 1 (VAPO-"
                f"style: 0.5) and critic_warmup_steps > 0 as its cap (it is {self.critic_warmup_steps}).")
-        _check(self.value_model_init in VALUE_MODEL_INITS,
+        _check(self.value_model_init is None or self.value_model_init in VALUE_MODEL_INITS,
                f"value_model_init={self.value_model_init!r} is not one of {VALUE_MODEL_INITS}.")
         _check(self.value_head_init is None or self.value_head_init in VALUE_HEAD_INITS,
                f"value_head_init={self.value_head_init!r} is not one of {VALUE_HEAD_INITS} (or None).")

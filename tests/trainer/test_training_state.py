@@ -192,9 +192,23 @@ def test_given_value_model_keeps_its_head_unless_asked(tmp_path):
     assert (make_trainer(config(tmp_path, value_head_init="zero")).unwrapped.value_model.score.weight == 0).all()
 
 
+def test_without_a_value_model_a_critic_is_made_from_the_policy_and_printed(tmp_path, capsys):
+    """value_model_init unset and no value_model: the policy's backbone with a zeroed 1-output head, said once."""
+    t = make_trainer(config(tmp_path), value=None)
+    critic, policy = t.unwrapped.value_model, t.unwrapped.policy
+    backbone = getattr(critic, critic.base_model_prefix)
+    assert all(torch.equal(a, b) for a, b in zip(backbone.state_dict().values(),
+                                                   policy.model.state_dict().values()))
+    assert (critic.score.weight == 0).all()
+    out = capsys.readouterr().out
+    trainable = sum(p.numel() for p in critic.parameters() if p.requires_grad)
+    assert out.count("trl_ext: critic: LlamaForSequenceClassification, the policy") == 1
+    assert f"{trainable:,} trainable parameters" in out and "reference: a frozen copy of the policy" in out
+
+
 def test_value_model_init_errors(tmp_path):
     with pytest.raises(ValueError, match="No value model"):
-        make_trainer(config(tmp_path), value=None)
+        make_trainer(config(tmp_path, value_model_init="given"), value=None)
     with pytest.raises(ValueError, match="a `value_model` was passed too"):
         make_trainer(config(tmp_path, value_model_init="policy"))
     with pytest.raises(ValueError, match="needs a reward \\*model\\*"):

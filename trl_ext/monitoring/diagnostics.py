@@ -46,6 +46,24 @@ def source_metrics(source_scores: torch.Tensor, names: list[str], gather: Gather
     return out
 
 
+# GRPOTrainer's logged key -> the PPO metric of the same meaning (logged under both names; GRPO's `kl` is a per-token
+# mean of another estimator than objective/kl's per-sequence sum, so it has none)
+GRPO_KEYS = {"reward": "objective/scores", "reward_std": "objective/scores_std",
+             "completions/mean_length": "rollout/response_length_mean",
+             "completions/clipped_ratio": "rollout/truncation_rate", "entropy": "policy/entropy_avg",
+             "frac_reward_zero_std": "rollout/frac_reward_zero_std"}
+
+
+def grpo_metrics(metrics: dict, names: list[str]) -> dict:
+    """GRPOTrainer's names of this iteration's metrics (`GRPO_KEYS`), and `rewards/<name>/mean` for each reward's
+    raw mean score (`objective/scores/<name>`), so a GRPO user's dashboards and scripts read a PPO run."""
+    out = {grpo: metrics[ppo] for grpo, ppo in GRPO_KEYS.items() if ppo in metrics}
+    for name in names:
+        if f"objective/scores/{name}" in metrics:
+            out[f"rewards/{name}/mean"] = metrics[f"objective/scores/{name}"]
+    return out
+
+
 def evaluation_metrics(table: torch.Tensor) -> dict:
     """Held-out evaluation (`PPOTrainer.evaluate_policy`): `table` (prompts, 3 or 5) holds per prompt the policy's
     KL, the policy's and the reference's training-reward score, and (5 columns) their gold scores. Win rate: the

@@ -11,7 +11,9 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 from accelerate import Accelerator
@@ -59,6 +61,75 @@ def _exact_div(a: int, b: int, what: str) -> int:
 
 
 # ------------------------------------------------------------------------------------------------ the arguments
+@dataclass
+class Call:
+    """The trainer's arguments after GRPOTrainer's call is read as TRL 1.12 PPO's (`grpo_call`)."""
+    args: PPOConfig
+    processing_class: Any
+    model: Any
+    reward_model: Any
+
+
+def grpo_call(args, processing_class, model, reward_model, reward_funcs, quantization_config) -> Call:
+    """GRPOTrainer's call (TRL 1.16) as PPO's: `model` a name or path loaded as TRL loads it (`create_model_from_path`
+    with `model_init_kwargs` and `quantization_config`), `reward_funcs` the rewards, `args=None` a default config
+    named after the model, `processing_class=None` the model's tokenizer, left-padded, EOS as pad if it has none.
+    `PPOTrainer(model, reward_funcs, args, ...)` positionally: GRPO's first three arguments."""
+    if isinstance(args, (str, os.PathLike, torch.nn.Module)):  # GRPO's positional order: model, reward_funcs, args
+        if model is not None and not isinstance(model, PPOConfig):
+            raise TypeError(f"PPOTrainer({name_of(args) if isinstance(args, torch.nn.Module) else args!r}, ...) reads "
+                            "GRPOTrainer's positional order (model, reward_funcs, args); its third argument must be "
+                            f"a PPOConfig, got {type(model).__name__}: pass the others by name.")
+        if reward_funcs is None:  # the second positional argument sits where PPO has processing_class
+            reward_funcs, processing_class = processing_class, None
+        args, model = model, args
+    if reward_funcs is not None:
+        if reward_model is not None:
+            raise ValueError("reward_funcs (GRPO's name) and reward_model (PPO's) are both given: pass the rewards "
+                             "once (either name takes functions, models, paths or a list).")
+        reward_model = reward_funcs
+    if model is None:
+        raise ValueError("`model` is required: a model, a PeftModel, or a name or path (loaded as GRPOTrainer loads "
+                         "it).")
+    if args is None:
+        name = (model if isinstance(model, (str, os.PathLike)) else name_of(model)).rstrip("/").split("/")[-1]
+        args = PPOConfig(output_dir=f"{name}-PPO")
+    if isinstance(model, (str, os.PathLike)):
+        kwargs = dict(args.model_init_kwargs or {})
+        if quantization_config is not None:
+            if "quantization_config" in kwargs:
+                raise ValueError("quantization_config is given both as an argument and in args.model_init_kwargs: "
+                                 "give it once (as the argument).")
+            kwargs["quantization_config"] = quantization_config
+        kwargs.setdefault("trust_remote_code", args.trust_remote_code)
+        model = load_causal_lm(str(model), kwargs)
+    elif args.model_init_kwargs or quantization_config is not None:
+        raise ValueError("model_init_kwargs / quantization_config load a model given by name or path; `model` is "
+                         "a model object already: load it with them yourself, or pass its name.")
+    if processing_class is None:
+        from transformers import AutoTokenizer
+
+        processing_class = AutoTokenizer.from_pretrained(name_of(model), padding_side="left",
+                                                         truncation_side="left",
+                                                         trust_remote_code=args.trust_remote_code)
+        if processing_class.pad_token is None:
+            processing_class.pad_token = processing_class.eos_token
+    return Call(args, processing_class, model, reward_model)
+
+
+def load_causal_lm(path: str, kwargs: dict):
+    """A policy given by name or path, loaded as GRPOTrainer loads one (TRL's create_model_from_path, which is not
+    public API across TRL 1.12-1.16): `dtype` a torch dtype, 'auto' or its name, float32 unless given."""
+    from transformers import AutoModelForCausalLM
+
+    dtype = kwargs.get("dtype", "float32")
+    if isinstance(dtype, str) and dtype != "auto":
+        if dtype not in ("bfloat16", "float16", "float32"):
+            raise ValueError(f"model_init_kwargs dtype={dtype!r} is not 'auto', 'bfloat16', 'float16' or 'float32'.")
+        kwargs["dtype"] = getattr(torch, dtype)
+    return AutoModelForCausalLM.from_pretrained(path, **kwargs)
+
+
 def check_arguments(args, tokenizer, model, ref_model, train_dataset) -> None:
     if not isinstance(args, PPOConfig):
         raise TypeError(f"`args` must be a trl_ext.PPOConfig, got {type(args).__name__}: import PPOConfig from "
@@ -83,7 +154,7 @@ def shared_base(args, model, ref_model, value_model, peft_config) -> SharedBaseM
     if ref_model is not None:
         raise ValueError("With a shared-base model the reference is the base with its adapters disabled: pass "
                          "ref_model=None.")
-    if value_model is not None or args.value_model_init != "given":
+    if value_model is not None or args.value_model_init not in (None, "given"):
         raise ValueError("With a shared-base model the critic is its 'critic' adapter and value head: pass "
                          "value_model=None and leave value_model_init at 'given'.")
     if args.ref_adapter_name:
@@ -212,10 +283,28 @@ def critic(args, shared, value_model, policy, peft_config, scorer: RewardScorer,
     """The critic, built before PEFT touches the policy (value_model_init="policy" copies the plain backbone)."""
     if shared is not None:
         return shared.value_model  # the critic adapter + value head
-    source = _reward_model_for_critic(scorer, tokenizer) if args.value_model_init == "reward_model" else None
-    value_model = build_value_model(args.value_model_init, args.value_head_init, value_model, policy, source)
+    init = args.value_model_init or ("given" if value_model is not None else "policy")
+    source = _reward_model_for_critic(scorer, tokenizer) if init == "reward_model" else None
+    built = build_value_model(init, args.value_head_init, value_model, policy, source)
+    if value_model is None:
+        source_name = f"policy {name_of(policy)}" if init == "policy" else f"reward model {name_of(source)}"
+        trainable = sum(p.numel() for p in built.parameters() if p.requires_grad)
+        made_for_you(f"critic: {type(built).__name__}, the {source_name}'s backbone with a new 1-output head "
+                     f"({args.value_head_init or 'zero'}-initialised), {trainable:,} trainable parameters (pass "
+                     "value_model=... to use your own)")
     # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
-    return lora_for_quantized_value_model(value_model, peft_config)
+    return lora_for_quantized_value_model(built, peft_config)
+
+
+def name_of(model) -> str:
+    """A model's name or path, as from_pretrained was given it (TRL's get_config_model_id), or its class."""
+    return getattr(model.config, "_name_or_path", "") or type(model).__name__
+
+
+def made_for_you(line: str) -> None:
+    """What set-up built because the call did not pass it, printed once (main process)."""
+    if int(os.environ.get("RANK", "0")) == 0:  # (before the Accelerator exists; launchers set RANK)
+        print(f"trl_ext: {line}.")
 
 
 def _reward_model_for_critic(scorer: RewardScorer, tokenizer):
@@ -265,6 +354,9 @@ def policy_and_reference(args, model, ref_model, peft_config):
                          "target_modules='all-linear')), or use trl_ext.models.build_shared_base.")
     if ref_model is None and not is_peft:
         ref_model = reference_copy(policy)  # a frozen deep copy (ZeRO-3 aware)
+        made_for_you(f"reference: a frozen copy of the policy {name_of(policy)} (pass ref_model=... to use your own)")
+    elif ref_model is None and not args.ref_adapter_name:
+        made_for_you(f"reference: the policy {name_of(policy)} with its adapter disabled (no copy)")
     return policy, ref_model, is_peft
 
 
@@ -315,7 +407,16 @@ def batch_sizes(args, optimizer, episodes_per_epoch: int) -> None:
     if optimizer is not None and args.critic_learning_rate is not None:
         raise ValueError("critic_learning_rate is set but you passed your own optimizer: give the value model's "
                          "parameters their learning rate in your optimizer's param groups, or drop the setting.")
-    if args.total_episodes is None:
+    if args.generation_batch_size is not None and args.steps_per_generation is None:  # GRPO's name of the batch
+        per_step = args.per_device_train_batch_size * int(os.environ.get("WORLD_SIZE", "1"))  # (launchers set it)
+        if args.generation_batch_size % per_step:
+            raise ValueError(f"generation_batch_size={args.generation_batch_size} must be a multiple of "
+                             f"per_device_train_batch_size x processes = {per_step} (GRPO's rule).")
+        args.use_steps_per_generation(args.generation_batch_size // per_step)
+    if args.total_episodes is not None and args.max_steps > 0:
+        raise ValueError(f"total_episodes={args.total_episodes} and max_steps={args.max_steps} both set the run's "
+                         "length: set one (max_steps counts PPO iterations, one rollout batch each).")
+    if args.total_episodes is None and args.max_steps <= 0:
         args.total_episodes = int(args.num_train_epochs * episodes_per_epoch)
     # One rollout batch per process = per_device_train_batch_size x gradient_accumulation_steps prompts; it splits
     # into num_mini_batches minibatches of micro-batches.
@@ -343,7 +444,11 @@ def accelerator(args) -> Accelerator:
     args.micro_batch_size = args.per_device_train_batch_size * args.world_size
     args.batch_size = args.local_batch_size * args.world_size
     args.mini_batch_size = args.local_mini_batch_size * args.world_size
+    if args.total_episodes is None:  # max_steps iterations (GRPO's length: one optimizer step per generation)
+        args.total_episodes = args.max_steps * args.batch_size
     args.num_total_batches = math.ceil(args.total_episodes / args.batch_size)
+    # GRPO's names of the rollout batch, read back as GRPO scripts read them
+    args.steps_per_generation, args.generation_batch_size = args.gradient_accumulation_steps, args.batch_size
     return built
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import torch
 from transformers import Trainer, TrainerControl
 from transformers.trainer_callback import CallbackHandler, ExportableState, PrinterCallback
-from transformers.trainer_utils import enable_full_determinism, set_seed
+from transformers.trainer_utils import TrainOutput, enable_full_determinism, set_seed
 from transformers.utils import is_peft_available
 
 from .._trl import OnlineTrainerState, PPOTrainerBase
@@ -42,6 +42,7 @@ from ..models import (
 from ..monitoring.alarms import AlarmCallback
 from ..monitoring.callbacks import SAMPLES_FILE, append_jsonl, sample_records
 from ..monitoring.diagnostics import (
+    grpo_metrics,
     mean_sequence_kl,
     rollout_metrics,
     source_metrics,
@@ -83,13 +84,13 @@ class PPOTrainer(PPOTrainerBase):
 
     def __init__(
         self,
-        args: PPOConfig,
-        processing_class,
-        model,
-        ref_model,
-        reward_model,
-        train_dataset,
-        value_model,
+        args: PPOConfig | None = None,
+        processing_class=None,
+        model=None,
+        ref_model=None,
+        reward_model=None,
+        train_dataset=None,
+        value_model=None,
         data_collator=None,
         eval_dataset=None,
         optimizers=(None, None),
@@ -100,10 +101,14 @@ class PPOTrainer(PPOTrainerBase):
         tools=None,
         rollout_func=None,
         environment_factory=None,
+        reward_funcs=None,
+        quantization_config=None,
     ) -> None:
         """TRL 1.12's arguments. Set up in steps, each a builder (trl_ext/trainer/builders.py) or a method below, in
         this order (the order random numbers are drawn in: seeding, the critic's new head, the LoRA matrices, the
         reference copy)."""
+        call = build.grpo_call(args, processing_class, model, reward_model, reward_funcs, quantization_config)
+        args, processing_class, model, reward_model = call.args, call.processing_class, call.model, call.reward_model
         build.check_arguments(args, processing_class, model, ref_model, train_dataset)
         self.args, self.processing_class = args, processing_class
         # python, numpy and torch seeded: on CPU two runs with the same seed give the same weights; on CUDA also with
@@ -367,6 +372,7 @@ class PPOTrainer(PPOTrainerBase):
         if self.args.vf_coef_end is not None:
             m["val/vf_coef"] = self.vf_coef  # the weight this update's value loss had
         m["episode"] = self.state.episode
+        m.update(grpo_metrics(m, self.reward_scorer.names))  # GRPOTrainer's names of the same numbers
         return m
 
     # ------------------------------------------------------------------------------------------------ train
@@ -399,7 +405,7 @@ class PPOTrainer(PPOTrainerBase):
         if self.is_deepspeed_enabled:
             self.deepspeed = self.model
             self.model_wrapped = self.model
-        start_time, start_episode = time.time(), self.state.episode
+        start_time, start_episode, start_step = time.time(), self.state.episode, self.state.global_step
         progress = PPOProgress(args.num_total_batches, initial=self.state.global_step,
                                disable=args.disable_tqdm or not self.is_world_process_zero())
         self.phases.add(progress)
@@ -417,6 +423,18 @@ class PPOTrainer(PPOTrainerBase):
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
         finally:
             self.rollouts.close()  # (async: the sampler stops after its current draw)
+        return self._train_output(start_step, time.time() - start_time)
+
+    def _train_output(self, start_step: int, seconds: float) -> TrainOutput:
+        """What transformers' Trainer.train returns (GRPO scripts log and save its metrics): `train_loss` is the
+        mean over this call's iterations of the loss PPO minimised, loss/policy_avg + vf_coef x loss/value_avg."""
+        steps = [h for h in self.state.log_history if "loss/policy_avg" in h and h.get("step", 0) > start_step]
+        losses = [h["loss/policy_avg"] + h.get("val/vf_coef", self.args.vf_coef) * h["loss/value_avg"] for h in steps]
+        loss = sum(losses) / len(losses) if losses else float("nan")
+        done = self.state.global_step - start_step
+        metrics = {"train_runtime": seconds, "train_samples_per_second": done * self.args.batch_size / seconds,
+                   "train_steps_per_second": done / seconds, "train_loss": loss, "epoch": self.state.epoch}
+        return TrainOutput(self.state.global_step, loss, metrics)
 
     def _in_critic_warmup(self, rollout: Rollout) -> bool:
         """Whether this iteration trains the critic alone: the first critic_warmup_steps iterations, or with
