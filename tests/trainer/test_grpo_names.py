@@ -12,7 +12,7 @@ from trl_ext.testing import tiny_causal_lm, tiny_prompt_dataset, tiny_tokenizer
 
 
 def config(**kw):
-    return PPOConfig(output_dir="/tmp/trl_ext_grpo_names", report_to=[], **kw)
+    return PPOConfig(**{"output_dir": "/tmp/trl_ext_grpo_names", "report_to": [], **kw})
 
 
 def test_every_grpoconfig_field_is_a_ppoconfig_field():
@@ -104,3 +104,28 @@ def test_generation_batch_size_and_max_steps_size_the_run():
         _trainer(per_device_train_batch_size=4, generation_batch_size=10)
     with pytest.raises(ValueError, match="total_episodes=8 and max_steps=5 both set the run's length"):
         _trainer(total_episodes=8, max_steps=5)
+
+
+def test_chat_template_kwargs_reach_the_template():
+    from datasets import Dataset
+
+    from trl_ext.data.prompts import prepare_prompts
+
+    tok = tiny_tokenizer()
+    tok.chat_template = "{% for m in messages %}{{ m['content'] }} {% endfor %}{% if thinking %}w1{% endif %}"
+    rows = Dataset.from_dict({"prompt": [[{"role": "user", "content": "w2 w3"}]]})
+    plain = prepare_prompts(rows, tok).dataset[0]["input_ids"]
+    thinking = prepare_prompts(rows, tok, chat_template_kwargs={"thinking": True}).dataset[0]["input_ids"]
+    assert thinking == plain + tok.convert_tokens_to_ids(["w1"])
+
+
+def test_log_completions_writes_every_iterations_rows(tmp_path):
+    import json
+
+    for log_completions in (False, True):
+        out = tmp_path / str(log_completions)
+        _trainer(per_device_train_batch_size=4, total_episodes=12, num_sample_generations=0,
+                 log_completions=log_completions, output_dir=str(out)).train()
+        assert (out / "samples.jsonl").exists() == log_completions
+    rows = [json.loads(line) for line in (out / "samples.jsonl").read_text().splitlines()]
+    assert sorted({row["step"] for row in rows}) == [1, 2, 3] and len(rows) == 12

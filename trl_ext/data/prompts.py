@@ -214,7 +214,7 @@ class _Cut:
         return ids[:keep] + ids[len(ids) - (limit - keep):], True
 
 
-def _tokenize_rows(tokenizer, form: str, cut: _Cut, tools=None):
+def _tokenize_rows(tokenizer, form: str, cut: _Cut, tools=None, template_kwargs: dict | None = None):
     """The `Dataset.map` function of the text and conversational forms: rendered, tokenized, cut."""
     def tokenize_batch(batch, indices):
         out_ids, out_text, over = [], [], []
@@ -231,7 +231,8 @@ def _tokenize_rows(tokenizer, form: str, cut: _Cut, tools=None):
                 ids = tokenizer(text)["input_ids"]  # the tokenizer's default special tokens, as TRL does
             else:
                 listed = tools(environment) if callable(tools) else tools  # the tools the template lists
-                text = tokenizer.apply_chat_template(value, tools=listed, add_generation_prompt=True, tokenize=False)
+                text = tokenizer.apply_chat_template(value, tools=listed, add_generation_prompt=True, tokenize=False,
+                                                     **(template_kwargs or {}))
                 ids = tokenizer(text, add_special_tokens=False)["input_ids"]  # the template holds them
                 if cut.limit is not None and len(ids) > cut.limit:
                     keep = _header_length(tokenizer, text, value)
@@ -290,6 +291,7 @@ def prepare_prompts(
     truncation: Literal["left", "drop"] = "left",
     num_proc: int | None = None,
     tools=None,
+    chat_template_kwargs: dict | None = None,
 ) -> PreparedPrompts:
     """Tokenize a prompt dataset in any of TRL's prompt forms (see the module docstring) for PPO.
 
@@ -303,6 +305,7 @@ def prepare_prompts(
     num_proc: processes for `Dataset.map`.
     tools: the tools conversational prompts are rendered with (the chat template lists them for the model): a list
         of functions, or a function of the row's `environment` (None without that column) returning one.
+    chat_template_kwargs: further keyword arguments of `apply_chat_template` (GRPO's field, e.g. enable_thinking).
 
     Raises ValueError for: neither a `prompt` nor an `input_ids` column, a conversational prompt with a tokenizer
     without a chat template, mixed forms, missing or empty prompts, an empty dataset (also after dropping),
@@ -319,8 +322,8 @@ def prepare_prompts(
         dataset = dataset.map(_check_token_rows(cut), batched=True, with_indices=True, num_proc=num_proc,
                               remove_columns=remove, desc="Checking prompts")
     else:
-        dataset = dataset.map(_tokenize_rows(tokenizer, form, cut, tools), batched=True, with_indices=True,
-                              num_proc=num_proc, desc="Tokenizing prompts")
+        dataset = dataset.map(_tokenize_rows(tokenizer, form, cut, tools, chat_template_kwargs), batched=True,
+                              with_indices=True, num_proc=num_proc, desc="Tokenizing prompts")
     num_truncated = num_dropped = 0
     if drop:
         dataset, num_dropped = _drop_long(dataset, max_prompt_length, num_proc)

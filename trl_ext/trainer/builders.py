@@ -228,13 +228,15 @@ def prompts(args, tokenizer, engine, train_dataset, eval_dataset, data_collator)
     if data_collator is not None:
         return Prompts(train_dataset, eval_dataset, data_collator, own_collator=False)
     tools = engine.prompt_tools if isinstance(engine, MultiTurn) else None
-    prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation, tools=tools)
+    prepared = prepare_prompts(train_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation, tools=tools,
+                               chat_template_kwargs=args.chat_template_kwargs)
     counts = {"data/prompts_truncated": prepared.num_truncated, "data/prompts_dropped": prepared.num_dropped}
     if prepared.num_truncated or prepared.num_dropped:
         print(f"[trl_ext] prompts longer than max_prompt_length={args.max_prompt_length}: "
               f"{prepared.num_truncated} cut from the left after their head, {prepared.num_dropped} dropped")
     if eval_dataset is not None:
-        eval_dataset = prepare_prompts(eval_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation).dataset
+        eval_dataset = prepare_prompts(eval_dataset, tokenizer, args.max_prompt_length, args.prompt_truncation,
+                                       chat_template_kwargs=args.chat_template_kwargs).dataset
     columns = tuple(prepared.extra_columns)
     return Prompts(prepared.dataset, eval_dataset, LeftPaddingCollator(tokenizer, columns), True, columns, counts)
 

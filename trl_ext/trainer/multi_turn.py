@@ -276,7 +276,8 @@ class MultiTurn:
         last = messages[-1]
         messages = messages[:-1] + [{**last, "content": last["content"] + str(observation)}]
         text = self.tokenizer.apply_chat_template(messages, tools=self.prompt_tools(environment),
-                                                  add_generation_prompt=True, tokenize=False)
+                                                  add_generation_prompt=True, tokenize=False,
+                                                  **(self.args.chat_template_kwargs or {}))
         return self.tokenizer(text, add_special_tokens=False)["input_ids"]
 
     def _respond(self, c: Conversation, row: int, more: bool) -> None:
@@ -366,7 +367,7 @@ class MultiTurn:
         if tool_name is not None:  # some templates name the tool in the result's header
             assistant["tool_calls"] = [{"type": "function", "function": {"name": tool_name, "arguments": {}}}]
         dummy = [{"role": "user", "content": "dummy"}, assistant]
-        template = dict(tokenize=True, return_dict=False)
+        template = dict(tokenize=True, return_dict=False, **(self.args.chat_template_kwargs or {}))
         prefix = list(self.tokenizer.apply_chat_template(dummy, add_generation_prompt=False, **template))
         full = list(self.tokenizer.apply_chat_template(dummy + messages, add_generation_prompt=True, **template))
         ends = [i for i, t in enumerate(prefix) if t == self.tokenizer.eos_token_id or t == self.stop_token_id]

@@ -489,6 +489,8 @@ class PPOTrainer(PPOTrainerBase):
             if args.num_sample_generations > 0 and (update - 1) % self.sample_generations_freq == 0:
                 self.write_samples(rollout)
                 self.generate_completions(sampling=True)
+            elif args.log_completions:  # GRPO's: a few rows of every iteration's rollout (each iteration logs)
+                self.write_samples(rollout)
             saved = self.control.should_save
             if saved:
                 self._save_checkpoint(self.model, trial=None)
