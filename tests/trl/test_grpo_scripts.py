@@ -4,7 +4,14 @@ on offline stand-ins: a tiny model saved to a folder stands for the hub id, a lo
 Each checks what a GRPO user relies on: the policy and the critic (made for the script) moved, the run logged what
 a GRPO user reads, and what the trainer reads back (`processing_class`, `state.log_history`)."""
 
+import json
+import os
+import re
+import shutil
+import subprocess
+import sys
 import textwrap
+from pathlib import Path
 
 import pytest
 import torch
@@ -13,6 +20,8 @@ from safetensors.torch import load_file
 
 from trl_ext import PPOConfig, PPOTrainer
 from trl_ext.testing import tiny_causal_lm, tiny_tokenizer
+
+ROOT = Path(__file__).parents[2]
 
 # TRL's GRPO docs quickstart (docs/source/quickstart.md, GRPO), word for word but for the class name and the two
 # offline stand-ins: the hub id is MODEL, the dataset is DATASET
@@ -118,3 +127,104 @@ def test_bad_grpo_calls_are_refused_by_name(model_dir, tmp_path, call, message):
     model = AutoModelForCausalLM.from_pretrained(model_dir) if args.model_init_kwargs else str(model_dir)
     with pytest.raises(ValueError, match=message.replace("(", r"\(").replace(")", r"\)")):
         PPOTrainer(model=model, args=args, train_dataset=prompts(4), **call)
+
+
+# --- TRL's own `trl grpo` script, and trl-ext ppo with its flags ----------------------------------------------------
+REWARD_MODULE = '''
+def contains_first_word(completions, solution, **kwargs):
+    return [float(answer in completion) for completion, answer in zip(completions, solution)]
+'''
+
+
+def grpo_to_ppo(source: str) -> str:
+    """A GRPO script with only the class and config names changed: GRPOTrainer -> PPOTrainer, GRPOConfig ->
+    PPOConfig, imported from trl_ext where the script imported them from trl."""
+    out = []
+    for line in source.replace("GRPOTrainer", "PPOTrainer").replace("GRPOConfig", "PPOConfig").splitlines():
+        names = re.match(r"^(\s*)from trl import (.*)$", line)
+        ours = [n for n in ("PPOConfig", "PPOTrainer") if names and re.search(rf"\b{n}\b", names.group(2))]
+        if ours:
+            rest = [n.strip() for n in names.group(2).split(",") if n.strip() not in ours]
+            out += [f"{names.group(1)}from trl import {', '.join(rest)}"] * bool(rest)
+            line = f"{names.group(1)}from trl_ext import {', '.join(ours)}"
+        out.append(line)
+    return "\n".join(out) + "\n"
+
+
+@pytest.fixture
+def grpo_run(model_dir, tmp_path):
+    """A local dataset folder (train.jsonl, test.jsonl) for --dataset_name, a reward module importable from the
+    working folder, and the checks a GRPO user's run must pass."""
+    data = tmp_path / "data"
+    data.mkdir()
+    prompts(16).to_json(data / "train.jsonl")
+    prompts(4).to_json(data / "test.jsonl")
+    (tmp_path / "my_rewards.py").write_text(REWARD_MODULE)
+    flags = ["--model_name_or_path", str(model_dir), "--dataset_name", str(data), "--reward_funcs",
+             "my_rewards.contains_first_word", "--output_dir", str(tmp_path / "out"), "--per_device_train_batch_size",
+             "4", "--max_steps", "2", "--max_completion_length", "6", "--num_iterations", "2", "--report_to", "none",
+             "--learning_rate", "1e-3", "--save_strategy", "steps", "--save_steps", "2", "--dtype", "float32"]
+    return flags, tmp_path / "out"
+
+
+def check_grpo_run(out, model_dir):
+    """The policy saved in out and the critic in its checkpoint moved; the run logged GRPO's keys each step."""
+    start = load_file(model_dir / "model.safetensors")
+    policy = load_file(out / "model.safetensors")
+    assert any(not torch.equal(policy[name], start[name]) for name in start)
+    critic = load_file(out / "checkpoint-2" / "value_model" / "model.safetensors")
+    assert (critic["score.weight"] != 0).any()  # made with a zero head, trained (saved in the checkpoint)
+    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [log for log in logs if "objective/scores" in log]
+    assert len(steps) == 2 and all(log["rewards/contains_first_word/mean"] == log["reward"] for log in steps)
+
+
+def run_script(args: list[str], cwd) -> subprocess.CompletedProcess:
+    env = {**os.environ, "TOKENIZERS_PARALLELISM": "false", "HF_HUB_OFFLINE": "1", "HF_DATASETS_OFFLINE": "1",
+           "PYTHONPATH": str(ROOT)}
+    return subprocess.run(args, capture_output=True, text=True, env=env, timeout=600, cwd=cwd)
+
+
+@pytest.mark.slow
+def test_trls_grpo_script_runs_with_only_the_class_names_changed(model_dir, grpo_run, tmp_path):
+    import trl.scripts
+
+    source = (Path(trl.scripts.__file__).parent / "grpo.py").read_text()
+    script = tmp_path / "grpo.py"
+    script.write_text(grpo_to_ppo(source))
+    assert not re.search(r"GRPOTrainer|GRPOConfig", script.read_text())
+    flags, out = grpo_run
+    done = run_script([sys.executable, str(script)] + flags, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    check_grpo_run(out, model_dir)
+
+
+@pytest.mark.slow
+def test_trl_ext_ppo_runs_from_its_command_line(model_dir, grpo_run, tmp_path):
+    flags, out = grpo_run
+    done = run_script([sys.executable, "-m", "trl_ext.tools.cli", "ppo"] + flags, tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert "trl_ext: critic: LlamaForSequenceClassification" in done.stdout
+    check_grpo_run(out, model_dir)
+
+
+def flag_names(help_text: str) -> set[str]:
+    return set(re.findall(r"^\s+(--[a-z_0-9]+)", help_text, re.M))
+
+
+@pytest.mark.slow
+def test_trl_ext_ppo_help_lists_every_flag_of_trl_grpo(tmp_path):
+    from trl_ext.scripts.ppo import make_parser
+
+    trl_cli = shutil.which("trl", path=os.path.dirname(sys.executable))
+    grpo = run_script([trl_cli, "grpo", "--help"], tmp_path)
+    assert grpo.returncode == 0, grpo.stderr[-2000:]
+    ours = make_parser(prog="trl-ext ppo").format_help()
+    assert len(flag_names(grpo.stdout)) > 200 and flag_names(grpo.stdout) - flag_names(ours) == set()
+
+
+def test_a_reward_name_that_is_neither_trls_nor_a_path_is_refused():
+    from trl_ext.scripts.ppo import PPOScriptArguments, reward_functions
+
+    with pytest.raises(ValueError, match="'accuracy' is neither one of .*accuracy_reward.* nor a dotted import path"):
+        reward_functions(PPOScriptArguments(reward_funcs=["accuracy"]))
