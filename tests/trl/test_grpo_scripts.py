@@ -228,3 +228,126 @@ def test_a_reward_name_that_is_neither_trls_nor_a_path_is_refused():
 
     with pytest.raises(ValueError, match="'accuracy' is neither one of .*accuracy_reward.* nor a dotted import path"):
         reward_functions(PPOScriptArguments(reward_funcs=["accuracy"]))
+
+
+# --- GRPO scripts from public projects (tests/scripts/user_scripts/grpo_*.py, each in a public script's shape) ------
+USER_SCRIPTS = ROOT / "tests" / "scripts" / "user_scripts"
+
+
+@pytest.fixture(scope="module")
+def standins(tmp_path_factory):
+    """TRL's tiny Qwen2 stand-in (a chat template; tests/trl/trl_standins.py) and the two scripts' datasets."""
+    sys.path.insert(0, str(Path(__file__).parent))
+    import trl_standins
+
+    folder = tmp_path_factory.mktemp("grpo_standins")
+    paths = trl_standins.build(folder)
+    g = torch.Generator().manual_seed(0)
+    numbers = torch.randint(1, 20, (40, 3), generator=g).tolist()
+    countdown = Dataset.from_dict({"nums": numbers, "target": [a + b - c for a, b, c in numbers]})
+    countdown.to_json(folder / "countdown" / "train.jsonl")
+    questions = [f"What is {a} plus {b}?" for a, b, _ in numbers[:16]]
+    gsm8k = Dataset.from_dict({"question": questions, "answer": [f"{a} + {b}\n#### {a + b}"
+                                                                 for a, b, _ in numbers[:16]]})
+    gsm8k.to_json(folder / "gsm8k" / "train.jsonl")
+    paths.update(countdown=str(folder / "countdown"), gsm8k=str(folder / "gsm8k"),
+                 policy=format_tuned_policy(paths["causal_lm"], folder / "policy"))
+    return paths
+
+
+def format_tuned_policy(source: str, folder: Path) -> str:
+    """The stand-in policy after 60 SFT steps on answers in the two scripts' formats (after their prompts), so
+    that their format rewards are earned by some completions and not others: the policy's advantages and the
+    critic's returns are not all zero (a random tiny model earns no reward at all, and nothing would move)."""
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    sys.path.insert(0, str(USER_SCRIPTS))
+    from grpo_countdown import r1_messages
+    from grpo_gsm8k import SYSTEM_PROMPT
+
+    tok = AutoTokenizer.from_pretrained(source)
+    model = AutoModelForCausalLM.from_pretrained(source)
+    rows = []
+    for a, b in [(1, 2), (3, 4), (5, 1), (2, 7)]:
+        rows.append((tok.apply_chat_template(r1_messages([a, b, 1], a + b - 1), tokenize=False,
+                                             continue_final_message=True),
+                     f" add</think>\n<answer>{a} + {b} - 1</answer>"))
+        gsm8k = [{"role": "system", "content": SYSTEM_PROMPT}, {"role": "user", "content": f"What is {a} plus {b}?"}]
+        rows.append((tok.apply_chat_template(gsm8k, tokenize=False, add_generation_prompt=True),
+                     f"<reasoning>\nadd\n</reasoning>\n<answer>\n{a + b}\n</answer>"))
+    full = [tok(prompt + answer + tok.eos_token)["input_ids"] for prompt, answer in rows]
+    width = max(map(len, full))
+    ids = torch.full((len(rows), width), tok.pad_token_id)
+    labels = torch.full((len(rows), width), -100)
+    for i, ((prompt, _), row) in enumerate(zip(rows, full)):
+        ids[i, :len(row)] = torch.tensor(row)
+        start = len(tok(prompt)["input_ids"])
+        labels[i, start:len(row)] = ids[i, start:len(row)]
+    torch.manual_seed(0)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2)
+    for _ in range(60):
+        model(input_ids=ids, attention_mask=(labels != -100) | (ids != tok.pad_token_id), labels=labels).loss.backward()
+        optimizer.step()
+        optimizer.zero_grad()
+    model.save_pretrained(folder)
+    tok.save_pretrained(folder)
+    return str(folder)
+
+
+def user_script(name: str, tmp_path, ppo: bool) -> Path:
+    source = (USER_SCRIPTS / name).read_text()
+    script = tmp_path / name
+    script.write_text(grpo_to_ppo(source) if ppo else source)
+    return script
+
+
+def countdown_command(s, out):
+    return ["--model_name_or_path", s["policy"], "--dataset_id_or_path", s["countdown"], "--output_dir", str(out),
+            "--per_device_train_batch_size", "4", "--max_steps", "2", "--max_completion_length", "48",
+            "--learning_rate", "1e-3", "--report_to", "none", "--save_strategy", "no", "--bf16", "false",
+            "--logging_steps", "1", "--num_generations", "4"]
+
+
+def check_user_run(out, names: list[str], iterations: int):
+    """Every step: the policy's and the critic's gradients nonzero (both took a step), GRPO's reward keys."""
+    logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
+    steps = [log for log in logs if "objective/scores" in log]
+    assert len(steps) == iterations
+    for log in steps:
+        assert log["policy/grad_norm"] > 0 and log["val/grad_norm"] > 0
+        assert {"reward", "reward_std", "completions/mean_length"} | {f"rewards/{n}/mean" for n in names} <= set(log)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ppo", [False, True], ids=["grpo", "ppo"])
+def test_a_countdown_grpo_script_runs_with_only_the_class_names_changed(standins, tmp_path, ppo):
+    """On TRL's GRPOTrainer as written (it is a valid GRPO script), then on PPO with the names changed: it resumes
+    from output_dir's last checkpoint if any, logs and saves train_result.metrics, the state, the model and the card."""
+    out = tmp_path / "out"
+    done = run_script([sys.executable, str(user_script("grpo_countdown.py", tmp_path, ppo))]
+                      + countdown_command(standins, out), tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    assert json.loads((out / "train_results.json").read_text())["train_samples"] == 36
+    assert (out / "trainer_state.json").is_file() and (out / "README.md").is_file()
+    if ppo:
+        check_user_run(out, ["format_reward_func", "equation_reward_func"], 2)
+        start = load_file(Path(standins["policy"]) / "model.safetensors")
+        policy = load_file(out / "model.safetensors")
+        assert any(not torch.equal(policy[name], start[name]) for name in start)
+        assert "train_loss" in json.loads((out / "train_results.json").read_text())
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("ppo", [False, True], ids=["grpo", "ppo"])
+def test_a_gsm8k_format_grpo_script_runs_with_only_the_class_names_changed(standins, tmp_path, ppo):
+    """Conversational prompts, rewards reading messages and the answer column, LoRA: on GRPOTrainer as written, then
+    on PPO (8 completions = 2 prompts x num_generations 4 per step, the critic made from the policy)."""
+    out = tmp_path / "out"
+    done = run_script([sys.executable, str(user_script("grpo_gsm8k.py", tmp_path, ppo)), standins["policy"],
+                       standins["gsm8k"], str(out)], tmp_path)
+    assert done.returncode == 0, done.stderr[-3000:]
+    adapter = load_file(out / "adapter_model.safetensors")
+    assert any((tensor != 0).any() for name, tensor in adapter.items() if "lora_B" in name)  # LoRA's B starts at 0
+    if ppo:
+        check_user_run(out, ["xmlcount_reward_func", "soft_format_reward_func", "int_reward_func",
+                             "correctness_reward_func"], 8)  # 16 prompts x 4 / 8 per batch

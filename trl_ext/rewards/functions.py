@@ -62,6 +62,20 @@ def check_reward_function_output(values, n: int, name: str = "reward function",
                          "(e.g. clip or replace NaN/inf before returning).")
     return torch.tensor(values, dtype=torch.float32)
 
+class GRPORewardFunction:
+    """A reward function given as GRPOTrainer's `reward_funcs`: called as GRPOTrainer calls it, every argument by
+    keyword (conversational prompts give conversational completions) whatever its first parameters are named; a
+    function given as `reward_model` with (prompts, completions) first gets them as text (`FunctionReward`)."""
+
+    def __init__(self, fn):
+        self.fn = fn
+        self.__name__ = getattr(fn, "__name__", None) or type(fn).__name__
+        self.__signature__ = inspect.signature(fn)
+
+    def __call__(self, *args, **kwargs):
+        return self.fn(*args, **kwargs)
+
+
 def _is_conversation(value) -> bool:
     return isinstance(value, list) and bool(value) and all(isinstance(m, Mapping) and "role" in m for m in value)
 
@@ -86,22 +100,25 @@ class FunctionReward:
     def _inspect(self) -> None:
         """Read a reward function's signature and choose how to call it.
 
-        - TRL's convention (GRPOTrainer's): the first parameter is `completions` or `completion_ids`, or the function
-          takes keywords only. Everything goes by keyword: prompts, completions, completion_ids, trainer_state and the
-          dataset's columns; only those it names, or all of them with **kwargs. Conversational prompts give
-          conversational completions ([{"role": "assistant", "content": ...}]).
+        - TRL's convention (GRPOTrainer's): a function given as `reward_funcs` (`GRPORewardFunction`), or one whose
+          first parameter is `completions` or `completion_ids`, or that takes keywords only. Everything goes by
+          keyword: prompts, completions, completion_ids, trainer_state and the dataset's columns; only those it
+          names, or all of them with **kwargs. Conversational prompts give conversational completions
+          ([{"role": "assistant", "content": ...}]).
         - trl_ext's (prompts, completions, **columns): any other function with two positional parameters. prompts and
           completions go positionally, as text; the other arguments by keyword, as above.
         """
-        call = type(self.obj).__call__ if callable(self.obj) else None  # an object with an async __call__
-        self.is_async = inspect.iscoroutinefunction(self.obj) or inspect.iscoroutinefunction(call)
+        grpo = isinstance(self.obj, GRPORewardFunction)
+        fn = self.obj.fn if grpo else self.obj
+        call = type(fn).__call__ if callable(fn) else None  # an object with an async __call__
+        self.is_async = inspect.iscoroutinefunction(fn) or inspect.iscoroutinefunction(call)
         try:
-            sig = inspect.signature(self.obj)
+            sig = inspect.signature(fn)
         except (TypeError, ValueError):  # builtins without a signature: prompts and completions only
             return
         params = list(sig.parameters.values())
         positional = [p for p in params if p.kind in (p.POSITIONAL_ONLY, p.POSITIONAL_OR_KEYWORD)]
-        if not positional or positional[0].name in TRL_FIRST_PARAMETERS:
+        if grpo or not positional or positional[0].name in TRL_FIRST_PARAMETERS:
             self.convention = "keyword"
             if any(p.kind in (p.POSITIONAL_ONLY, p.VAR_POSITIONAL) for p in params):
                 raise TypeError(f"reward function {self.name!r} follows TRL's convention (first parameter "

@@ -43,7 +43,8 @@ from ..models import (
 )
 from ..monitoring.alarms import AlarmCallback, profile_thresholds
 from ..monitoring.callbacks import MetricsFileCallback
-from ..rewards import RewardNormalizer, RewardScorer, has_score_head
+from ..rewards import RewardNormalizer, RewardScorer, has_score_head, is_reward_function
+from ..rewards.functions import GRPORewardFunction
 from .async_rollouts import AsyncRollouts, ServerSampler, ThreadSampler
 from .backend import reference_copy
 from .multi_turn import MultiTurn, RolloutFunction
@@ -87,7 +88,8 @@ def grpo_call(args, processing_class, model, reward_model, reward_funcs, quantiz
         if reward_model is not None:
             raise ValueError("reward_funcs (GRPO's name) and reward_model (PPO's) are both given: pass the rewards "
                              "once (either name takes functions, models, paths or a list).")
-        reward_model = reward_funcs
+        funcs = reward_funcs if isinstance(reward_funcs, list) else [reward_funcs]  # called as GRPOTrainer calls them
+        reward_model = [GRPORewardFunction(f) if is_reward_function(f) else f for f in funcs]
     if model is None:
         raise ValueError("`model` is required: a model, a PeftModel, or a name or path (loaded as GRPOTrainer loads "
                          "it).")
