@@ -351,3 +351,33 @@ def test_a_gsm8k_format_grpo_script_runs_with_only_the_class_names_changed(stand
     if ppo:
         check_user_run(out, ["xmlcount_reward_func", "soft_format_reward_func", "int_reward_func",
                              "correctness_reward_func"], 8)  # 16 prompts x 4 / 8 per batch
+
+
+# --- bad GRPO-shaped input: refused at construction, by name ----------------------------------------------------------
+def test_a_reward_path_that_is_not_a_sequence_classifier_is_refused(model_dir, tmp_path):
+    """GRPOTrainer loads a causal LM's folder as a reward model with a new random head; trl_ext names it."""
+    with pytest.raises(ValueError, match=r"is a LlamaForCausalLM checkpoint, not a sequence classifier"):
+        PPOTrainer(model=str(model_dir), reward_funcs=str(model_dir), train_dataset=prompts(4),
+                   args=PPOConfig(output_dir=str(tmp_path), report_to=[]))
+
+
+def test_a_reward_model_of_another_tokenizer_needs_its_tokenizer(model_dir, tmp_path):
+    """A reward model saved with another tokenizer, passed without reward_processing_classes: refused (it would read
+    the policy's ids as other tokens); with its tokenizer it reads the decoded text."""
+    from trl_ext.testing import tiny_chat_tokenizer, tiny_scalar_model
+
+    other = tiny_chat_tokenizer()
+    reward = tiny_scalar_model(other, seed=3)
+    reward.save_pretrained(tmp_path / "rm")
+    other.save_pretrained(tmp_path / "rm")
+    reward = type(reward).from_pretrained(tmp_path / "rm")
+    args = PPOConfig(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=4)
+    with pytest.raises(ValueError, match="was saved with a tokenizer whose vocabulary differs .* "
+                                         "reward_processing_classes"):
+        PPOTrainer(model=str(model_dir), reward_funcs=reward, train_dataset=prompts(4), args=args)
+    t = PPOTrainer(model=str(model_dir), reward_funcs=reward, reward_processing_classes=[other],
+                   train_dataset=prompts(4), args=args)
+    assert t.reward_scorer.names == [str(tmp_path / "rm")]
+    small = tiny_scalar_model(tiny_tokenizer(), seed=3, vocab_size=10)  # fewer embeddings than the policy's ids
+    with pytest.raises(ValueError, match="has 10 token embeddings, fewer than the policy tokenizer's"):
+        PPOTrainer(model=str(model_dir), reward_funcs=small, train_dataset=prompts(4), args=args)

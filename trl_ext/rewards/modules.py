@@ -28,9 +28,20 @@ def load_reward_model(path: str | os.PathLike) -> tuple[nn.Module, Any]:
     """A reward model given by path (a local folder or a hub id), loaded as TRL's GRPOTrainer loads one:
     `AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)` and its own tokenizer (pad token = EOS
     if it has none). Returns (model, tokenizer): it reads text through that tokenizer."""
-    from transformers import AutoModelForSequenceClassification, AutoTokenizer
+    from transformers import AutoConfig, AutoModelForSequenceClassification, AutoTokenizer
 
     path = str(path)
+    try:
+        architectures = AutoConfig.from_pretrained(path).architectures or []
+    except (OSError, ValueError) as e:
+        raise ValueError(f"reward_model={path!r} is a string, so it is loaded as a reward model from that folder or "
+                         f"hub id, and that failed: {e}. Pass a path to a sequence-classification model (with its "
+                         "tokenizer), or the model itself.") from e
+    if not any(name.endswith("ForSequenceClassification") for name in architectures):
+        raise ValueError(f"reward {path!r} is a {', '.join(architectures) or 'model'} checkpoint, not a sequence "
+                         "classifier: loaded as one it would score with a new, random head (GRPOTrainer does so "
+                         "silently). Pass a reward model saved as AutoModelForSequenceClassification "
+                         "(num_labels=1), or a reward function.")
     try:
         model = AutoModelForSequenceClassification.from_pretrained(path, num_labels=1)
         tokenizer = AutoTokenizer.from_pretrained(path)

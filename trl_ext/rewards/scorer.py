@@ -47,6 +47,19 @@ def _reward(entry: _Entry):
     return ModuleReward(entry.obj, entry.name)  # no TRL layout to read at the last token: it scores whole rows
 
 
+def _saved_tokenizer(path: str):
+    """The tokenizer saved beside a model in a local folder (None if there is none)."""
+    if not path or not os.path.isdir(path) or not any(
+            os.path.isfile(os.path.join(path, name)) for name in ("tokenizer.json", "tokenizer_config.json")):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(path)
+    except (OSError, ValueError):
+        return None
+
+
 class RewardScorer:
     """Scores query+response batches with one reward or a weighted sum of several.
 
@@ -177,6 +190,8 @@ class RewardScorer:
                                  "one in reward_tokenizers; give one.")
             tokenizer = from_tuple if from_tuple is not None else from_arg
             if tokenizer is None:
+                if src.kind == "model":
+                    self._check_reads_policy_ids(src)
                 continue
             if src.kind == "function":
                 raise ValueError(f"reward {src.name!r} is a function; only reward models take a tokenizer.")
@@ -185,6 +200,24 @@ class RewardScorer:
                                 "not a tokenizer.")
             if tokenizer is not self.policy_tokenizer:  # the policy's own tokenizer: score the ids directly
                 src.kind, src.tokenizer = "text_model", tokenizer
+
+    def _check_reads_policy_ids(self, src) -> None:
+        """A reward model without a tokenizer of its own reads the policy's token ids: refuse one made for another
+        tokenizer (fewer embeddings than the policy's vocabulary, or its saved tokenizer's vocabulary differs)."""
+        model, tokenizer = src.obj, self.policy_tokenizer
+        fix = ("pass its tokenizer in reward_processing_classes (or the reward as (model, tokenizer)): it then "
+               "reads the decoded text")
+        try:  # (a rule-based module has no embeddings)
+            rows = model.get_input_embeddings().num_embeddings
+        except (AttributeError, NotImplementedError):
+            rows = None
+        if rows is not None and len(tokenizer) > rows:
+            raise ValueError(f"reward model {src.name!r} has {rows} token embeddings, fewer than the policy "
+                             f"tokenizer's {len(tokenizer)} tokens: it was made for another tokenizer; {fix}.")
+        own = _saved_tokenizer(getattr(getattr(model, "config", None), "_name_or_path", ""))
+        if own is not None and own.get_vocab() != tokenizer.get_vocab():
+            raise ValueError(f"reward model {src.name!r} was saved with a tokenizer whose vocabulary differs from the "
+                             f"policy's: it would read the policy's ids as other tokens; {fix}.")
 
     @staticmethod
     def _check_weights(reward_weights, n: int) -> list[float]:
