@@ -381,3 +381,23 @@ def test_a_reward_model_of_another_tokenizer_needs_its_tokenizer(model_dir, tmp_
     small = tiny_scalar_model(tiny_tokenizer(), seed=3, vocab_size=10)  # fewer embeddings than the policy's ids
     with pytest.raises(ValueError, match="has 10 token embeddings, fewer than the policy tokenizer's"):
         PPOTrainer(model=str(model_dir), reward_funcs=small, train_dataset=prompts(4), args=args)
+
+
+def test_what_a_grpo_script_reads_back_means_the_policy(model_dir, tmp_path):
+    """trainer.model as GRPOTrainer's: the policy's config, generate and save_pretrained; processing_class the
+    tokenizer the trainer loaded; state.log_history the logged steps."""
+    from transformers import AutoModelForCausalLM
+
+    args = PPOConfig(output_dir=str(tmp_path), per_device_train_batch_size=4, total_episodes=4, response_length=3,
+                     report_to=[], save_strategy="no")
+    trainer = PPOTrainer(model=str(model_dir), reward_funcs=accuracy_reward, args=args, train_dataset=prompts(4))
+    trainer.train()
+    policy = trainer.unwrapped.policy
+    assert trainer.model.config is policy.config
+    ids = trainer.processing_class(["w1 w2"], return_tensors="pt")
+    out = trainer.model.generate(**ids, max_new_tokens=2, do_sample=False)
+    assert torch.equal(out, policy.generate(**ids, max_new_tokens=2, do_sample=False))
+    trainer.model.save_pretrained(tmp_path / "saved")
+    saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
+    assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), policy.state_dict().values()))
+    assert [h["step"] for h in trainer.state.log_history if "reward" in h] == [1]

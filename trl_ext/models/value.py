@@ -149,7 +149,8 @@ class FrozenTrunk:
 
 class PolicyAndValueWrapper(nn.Module):
     """Policy and value model as one module, so one `accelerate.prepare` (DDP/DeepSpeed/FSDP) wraps both.
-    Keeps TRL's attribute names (`policy`, `value_model`) so TRL's own helpers work on it."""
+    Keeps TRL's attribute names (`policy`, `value_model`) so TRL's own helpers work on it; `config`, `generate`,
+    `save_pretrained` and `push_to_hub` are the policy's, as a GRPOTrainer script reads `trainer.model`."""
 
     def __init__(self, policy: nn.Module, value_model: nn.Module):
         super().__init__()
@@ -166,6 +167,16 @@ class PolicyAndValueWrapper(nn.Module):
         for module in (self.policy, self.value_model):
             names += [n for n in getattr(_underlying(module), "_no_split_modules", None) or [] if n not in names]
         return names
+
+    # What a GRPOTrainer script calls on `trainer.model`, there the policy: here the policy's too
+    def generate(self, *args, **kwargs):
+        return self.policy.generate(*args, **kwargs)
+
+    def save_pretrained(self, *args, **kwargs):
+        return self.policy.save_pretrained(*args, **kwargs)
+
+    def push_to_hub(self, *args, **kwargs):
+        return self.policy.push_to_hub(*args, **kwargs)
 
     def policy_parameters(self) -> list[nn.Parameter]:
         return list(self.policy.parameters())
