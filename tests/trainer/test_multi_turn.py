@@ -48,7 +48,7 @@ def hangs(x: int) -> int:
 
 def config(**overrides):
     args = dict(response_length=256, max_turn_length=None, max_tool_calling_iterations=None, tool_timeout=5.0,
-                tool_errors="feedback")
+                tool_errors="feedback", chat_template_kwargs=None)
     args.update(overrides)
     return SimpleNamespace(**args)
 

@@ -202,7 +202,7 @@ def test_trls_grpo_script_runs_with_only_the_class_names_changed(model_dir, grpo
 @pytest.mark.slow
 def test_trl_ext_ppo_runs_from_its_command_line(model_dir, grpo_run, tmp_path):
     flags, out = grpo_run
-    done = run_script([sys.executable, "-m", "trl_ext.tools.cli", "ppo"] + flags, tmp_path)
+    done = run_script([sys.executable, "-m", "trl_ext.scripts.cli", "ppo"] + flags, tmp_path)
     assert done.returncode == 0, done.stderr[-3000:]
     assert "trl_ext: critic: LlamaForSequenceClassification" in done.stdout
     check_grpo_run(out, model_dir)

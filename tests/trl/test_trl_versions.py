@@ -163,7 +163,8 @@ def test_trl_ext_imports_only_trls_public_names_outside_its_trl_1_12_base():
     # TRL's top-level names that are its documented API (create_reference_model there is deprecated: it moved to
     # trl.experimental)
     public = {"ModelConfig", "TrlParser", "ScriptArguments", "get_peft_config", "get_quantization_config",
-              "RewardConfig", "RewardTrainer"}
+              "RewardConfig", "RewardTrainer",
+              "get_dataset", "DatasetMixtureConfig"}  # TRL's "Script Utilities" page (1.12 and 1.16), for trl-ext ppo
     # modules TRL documents by their path: trl.models; trl.generation.vllm_client, whose VLLMClient TRL's docs import
     # from there (the same path and API in trl 1.12 and 1.16), for vllm_mode="server"'s full-weight sync;
     # trl.rewards, its reward functions' page (get_soft_overlong_punishment, in 1.12 and 1.16); trl.chat_template_utils,

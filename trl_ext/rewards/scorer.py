@@ -47,6 +47,12 @@ def _reward(entry: _Entry):
     return ModuleReward(entry.obj, entry.name)  # no TRL layout to read at the last token: it scores whole rows
 
 
+def _base_vocab(tokenizer) -> dict:
+    """The tokenizer's own vocabulary, without the tokens added after training (a pad token a script added)."""
+    added = tokenizer.get_added_vocab()
+    return {token: i for token, i in tokenizer.get_vocab().items() if token not in added}
+
+
 def _saved_tokenizer(path: str):
     """The tokenizer saved beside a model in a local folder (None if there is none)."""
     if not path or not os.path.isdir(path) or not any(
@@ -211,11 +217,11 @@ class RewardScorer:
             rows = model.get_input_embeddings().num_embeddings
         except (AttributeError, NotImplementedError):
             rows = None
-        if rows is not None and len(tokenizer) > rows:
+        if rows is not None and tokenizer.vocab_size > rows:  # (tokens added after, e.g. a pad, need no row)
             raise ValueError(f"reward model {src.name!r} has {rows} token embeddings, fewer than the policy "
-                             f"tokenizer's {len(tokenizer)} tokens: it was made for another tokenizer; {fix}.")
+                             f"tokenizer's {tokenizer.vocab_size} tokens: it was made for another tokenizer; {fix}.")
         own = _saved_tokenizer(getattr(getattr(model, "config", None), "_name_or_path", ""))
-        if own is not None and own.get_vocab() != tokenizer.get_vocab():
+        if own is not None and _base_vocab(own) != _base_vocab(tokenizer):
             raise ValueError(f"reward model {src.name!r} was saved with a tokenizer whose vocabulary differs from the "
                              f"policy's: it would read the policy's ids as other tokens; {fix}.")
 

@@ -44,11 +44,17 @@ class PPOScriptArguments(ScriptArguments):
 
 def reward_functions(script_args: PPOScriptArguments) -> list:
     """The rewards the flags name, in `trl grpo`'s order: the reward model first, then the functions."""
-    from trl import rewards
+    from trl.rewards import (
+        accuracy_reward,
+        get_soft_overlong_punishment,
+        reasoning_accuracy_reward,
+        think_format_reward,
+    )
 
-    registry = {name: getattr(rewards, name) for name in REWARD_FUNCTIONS[:3]}
-    registry["get_soft_overlong_punishment"] = rewards.get_soft_overlong_punishment(max_completion_len=1280,
-                                                                                    soft_punish_cache=256)
+    registry = {"accuracy_reward": accuracy_reward, "reasoning_accuracy_reward": reasoning_accuracy_reward,
+                "think_format_reward": think_format_reward,
+                "get_soft_overlong_punishment": get_soft_overlong_punishment(max_completion_len=1280,
+                                                                             soft_punish_cache=256)}
     funcs = [script_args.reward_model_name_or_path] if script_args.reward_model_name_or_path else []
     for name in script_args.reward_funcs or []:
         if name in registry:

@@ -1,6 +1,6 @@
-"""The ``trl-ext`` command line.
+"""The ``trl-ext`` command line's tools (``trl-ext ppo``, training, is trl_ext/scripts/cli.py's, which hands the
+rest to this module):
 
-    trl-ext ppo [flags of `trl grpo`]    # PPO training: trl_ext/scripts/ppo.py (`trl-ext ppo --help`)
     trl-ext report RUN_DIR               # or: python -m trl_ext.tools.cli report RUN_DIR
     trl-ext estimate-memory CONFIG [--model PRESET|config.json] [--json] [--all-presets]
                                    [--padding_free] [--max_tokens_per_micro_batch N]
@@ -28,7 +28,8 @@ import sys
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="trl-ext", description="Tools for trl_ext PPO runs.")
     sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    sub.add_parser("ppo", add_help=False, help="train with PPO: the flags of `trl grpo` (trl-ext ppo --help)")
+    sub.add_parser("ppo", add_help=False, help="train with PPO: the flags of `trl grpo` (trl-ext ppo --help)")  # (its
+    # own parser: trl_ext/scripts/cli.py)
     rep = sub.add_parser(
         "report",
         help="summarize a run and write RUN_DIR/dashboard.png",
@@ -85,11 +86,6 @@ def _estimate_memory(args) -> int:
 
 def main(argv: list[str] | None = None) -> int:
     """Run the command line with `argv` (default: ``sys.argv[1:]``); return the exit code."""
-    argv = sys.argv[1:] if argv is None else argv
-    if argv[:1] == ["ppo"]:  # its own parser: every PPOConfig and ModelConfig flag
-        from ..scripts.ppo import run
-
-        return run(argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)  # exits 2 on a usage error
     if args.command is None:

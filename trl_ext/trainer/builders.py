@@ -96,6 +96,8 @@ def grpo_call(args, processing_class, model, reward_model, reward_funcs, quantiz
     if args is None:
         name = (model if isinstance(model, (str, os.PathLike)) else name_of(model)).rstrip("/").split("/")[-1]
         args = PPOConfig(output_dir=f"{name}-PPO")
+    if not isinstance(args, PPOConfig):  # (check_arguments names it)
+        return Call(args, processing_class, model, reward_model)
     if isinstance(model, (str, os.PathLike)):
         kwargs = dict(args.model_init_kwargs or {})
         if quantization_config is not None:
