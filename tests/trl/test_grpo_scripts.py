@@ -401,3 +401,19 @@ def test_what_a_grpo_script_reads_back_means_the_policy(model_dir, tmp_path):
     saved = AutoModelForCausalLM.from_pretrained(tmp_path / "saved")
     assert all(torch.equal(a, b) for a, b in zip(saved.state_dict().values(), policy.state_dict().values()))
     assert [h["step"] for h in trainer.state.log_history if "reward" in h] == [1]
+
+
+def test_a_4bit_policy_without_a_critic_is_pointed_to_the_shared_base(tmp_path):
+    """No critic is made from a quantized policy's backbone yet: the error names the two ways that work."""
+    from peft import LoraConfig
+
+    from trl_ext.testing import tiny_4bit_causal_lm
+
+    tok = tiny_tokenizer()
+    policy = tiny_4bit_causal_lm(tok, tmp_path / "base")
+
+    with pytest.raises(ValueError, match="cannot copy a quantized policy's backbone: pass a value_model, or build "
+                                         "the policy with trl_ext.models.build_shared_base"):
+        PPOTrainer(model=policy, processing_class=tok, reward_funcs=accuracy_reward, train_dataset=prompts(4),
+                   args=PPOConfig(output_dir=str(tmp_path / "out"), report_to=[]),
+                   peft_config=LoraConfig(r=4, target_modules="all-linear"))
