@@ -417,3 +417,22 @@ def test_a_4bit_policy_without_a_critic_is_pointed_to_the_shared_base(tmp_path):
         PPOTrainer(model=policy, processing_class=tok, reward_funcs=accuracy_reward, train_dataset=prompts(4),
                    args=PPOConfig(output_dir=str(tmp_path / "out"), report_to=[]),
                    peft_config=LoraConfig(r=4, target_modules="all-linear"))
+
+
+def test_accelerate_config_runs_the_script_under_accelerate_launch(monkeypatch):
+    """--accelerate_config NAME: `accelerate launch --config_file <TRL's NAME.yaml> trl_ext/scripts/ppo.py <the
+    training flags>` (the launch itself is accelerate's)."""
+    import accelerate.commands.launch as launch
+
+    import trl_ext.scripts.ppo as ppo
+
+    seen = []
+    monkeypatch.setattr(launch, "launch_command", seen.append)
+    flags = ["--model_name_or_path", "m", "--output_dir", "o", "--num_processes", "2"]
+    assert ppo.run(["--accelerate_config", "multi_gpu"] + flags) == 0
+    (args,) = seen
+    assert args.config_file.endswith("multi_gpu.yaml") and args.num_processes == 2
+    assert args.training_script == ppo.__file__
+    assert args.training_script_args == ["--model_name_or_path", "m", "--output_dir", "o"]
+    with pytest.raises(ValueError, match="--accelerate_config 'zero9' is neither a file nor one of TRL's configs"):
+        ppo.run(["--accelerate_config", "zero9"] + flags)
