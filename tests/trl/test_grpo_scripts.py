@@ -303,19 +303,22 @@ def user_script(name: str, tmp_path, ppo: bool) -> Path:
 
 def countdown_command(s, out):
     return ["--model_name_or_path", s["policy"], "--dataset_id_or_path", s["countdown"], "--output_dir", str(out),
-            "--per_device_train_batch_size", "4", "--max_steps", "2", "--max_completion_length", "48",
+            "--per_device_train_batch_size", "8", "--max_steps", "2", "--max_completion_length", "48",
             "--learning_rate", "1e-3", "--report_to", "none", "--save_strategy", "no", "--bf16", "false",
             "--logging_steps", "1", "--num_generations", "4"]
 
 
 def check_user_run(out, names: list[str], iterations: int):
-    """Every step: the policy's and the critic's gradients nonzero (both took a step), GRPO's reward keys."""
+    """The policy and the critic took steps (nonzero gradients where a batch's rewards differ), GRPO's reward keys at
+    every step."""
     logs = [json.loads(line) for line in (out / "metrics.jsonl").read_text().splitlines()]
     steps = [log for log in logs if "objective/scores" in log]
     assert len(steps) == iterations
+    assert any(log["reward_std"] > 0 for log in steps)  # some completions earned more than others
     for log in steps:
-        assert log["policy/grad_norm"] > 0 and log["val/grad_norm"] > 0
         assert {"reward", "reward_std", "completions/mean_length"} | {f"rewards/{n}/mean" for n in names} <= set(log)
+        if log["reward_std"] > 0:
+            assert log["policy/grad_norm"] > 0 and log["val/grad_norm"] > 0
 
 
 @pytest.mark.slow
