@@ -333,6 +333,18 @@ def prepare_prompts(
     return PreparedPrompts(dataset=dataset, form=form, num_truncated=num_truncated, num_dropped=num_dropped)
 
 
+def left_padding_tokenizer(name: str, trust_remote_code: bool = False, revision: str | None = None):
+    """A model's tokenizer as PPO (and GRPOTrainer) loads it: left-padding, with a pad token, its EOS token if it had
+    none (Pythia, Llama). trl_ext masks by position, never by `== pad_token_id`, so pad == EOS is safe."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(name, padding_side="left", trust_remote_code=trust_remote_code,
+                                              revision=revision)
+    if tokenizer.pad_token is None:
+        tokenizer.pad_token = tokenizer.eos_token
+    return tokenizer
+
+
 class LeftPaddingCollator:
     """Collate prompt rows into a left-padded batch for PPO.
 

@@ -169,15 +169,11 @@ def hub_load(what: str, name: str, load: Callable[[], T], flag: str, repo_type: 
 
 def load_tokenizer(name: str, trust_remote_code: bool = False, flag: str = "--model_name_or_path",
                    revision: str | None = None):
-    """The tokenizer, left-padding, with a pad token: its EOS token if it had none (Pythia, Llama). trl_ext masks by
-    position, never by `== pad_token_id`, so pad == EOS is safe."""
-    from transformers import AutoTokenizer
+    """The tokenizer, left-padding, with a pad token (`trl_ext.data.prompts.left_padding_tokenizer`), or the error
+    that names the flag when the hub cannot give it."""
+    from ..data.prompts import left_padding_tokenizer
 
-    tokenizer = hub_load("tokenizer", name, lambda: AutoTokenizer.from_pretrained(
-        name, padding_side="left", trust_remote_code=trust_remote_code, revision=revision), flag)
-    if tokenizer.pad_token is None:
-        tokenizer.pad_token = tokenizer.eos_token
-    return tokenizer
+    return hub_load("tokenizer", name, lambda: left_padding_tokenizer(name, trust_remote_code, revision), flag)
 
 
 def load_prompt_splits(script_args, evaluate: bool, eval_samples: int = -1):

@@ -26,7 +26,7 @@ from transformers.utils import is_peft_available
 from ..config import PPOConfig
 from ..core import make_kl_controller
 from ..data.batches import PromptBatches
-from ..data.prompts import LeftPaddingCollator, prepare_prompts
+from ..data.prompts import LeftPaddingCollator, left_padding_tokenizer, prepare_prompts
 from ..models import (
     POLICY,
     FrozenTrunk,
@@ -111,13 +111,7 @@ def grpo_call(args, processing_class, model, reward_model, reward_funcs, quantiz
         raise ValueError("model_init_kwargs / quantization_config load a model given by name or path; `model` is "
                          "a model object already: load it with them yourself, or pass its name.")
     if processing_class is None:
-        from transformers import AutoTokenizer
-
-        processing_class = AutoTokenizer.from_pretrained(name_of(model), padding_side="left",
-                                                         truncation_side="left",
-                                                         trust_remote_code=args.trust_remote_code)
-        if processing_class.pad_token is None:
-            processing_class.pad_token = processing_class.eos_token
+        processing_class = left_padding_tokenizer(name_of(model), args.trust_remote_code)
     return Call(args, processing_class, model, reward_model)
 
 
