@@ -543,8 +543,8 @@ def rollout_source(args, phase, async_engine, device: torch.device):
     """How each iteration gets its Rollout, chosen once: `open(batches, first_step, saved)` -> a `SyncRollouts` (the
     trainer's thread draws each batch when it needs it) or, with async_rollouts, an `AsyncRollouts` (a sampler
     thread draws ahead with older policy versions; `saved`: its draws from a checkpoint)."""
-    if async_engine is None:
-        return functools.partial(SyncRollouts, phase, device=device)
+    if async_engine is None:  # (nothing drawn ahead: where a run starts and what a checkpoint saved do not matter)
+        return lambda batches, first_step, saved: SyncRollouts(phase, batches, device)
     return functools.partial(AsyncRollouts, async_engine, device=device, total_steps=args.num_total_batches,
                              max_staleness=args.max_staleness, weight_sync_steps=args.weight_sync_steps, phase=phase)
 

@@ -147,8 +147,7 @@ class SyncRollouts:
     trainer opens one per train() (`builders.rollout_source` picks it or `AsyncRollouts`, which answers the same
     calls: start, next, publish, state, close)."""
 
-    def __init__(self, phase: RolloutPhase, batches, device: torch.device, first_step: int = 0,
-                 saved: dict | None = None):
+    def __init__(self, phase: RolloutPhase, batches, device: torch.device):
         self.phase, self.batches, self.device = phase, batches, device
 
     def start(self, policy) -> None:
