@@ -135,7 +135,7 @@ FEATURES = {
     "padding-free": (r"padding_free|packing is (not )?None", {"models/packing.py"}),
     "async rollouts": (r"async_rollouts|async_engine", {"trainer/async_rollouts.py"}),
     "multi-turn": (r"multi_turn", {"trainer/multi_turn.py"}),
-    "vLLM": (r"use_vllm|vllm_mode|\.vllm\b", {"trainer/sampling.py", "models/vllm_sampler.py",
+    "vLLM": (r"use_vllm|vllm_mode|\.vllm\b", {"trainer/generators.py", "models/vllm_sampler.py",
                                              "models/vllm_server.py"}),
     "engine": (r"\.deepspeed\b|\.fsdp\b|params_sharded", {"trainer/backend.py"}),
 }

@@ -126,7 +126,7 @@ def test_evaluation_samples_policy_and_reference_in_the_engine_paired(tmp_path):
                    reward_model=reward, train_dataset=tiny_prompt_dataset(tok, 16),
                    eval_dataset=tiny_prompt_dataset(tok, 8), value_model=tiny_scalar_model(tok, **SIZE),
                    peft_config=LoraConfig(r=4, lora_alpha=8, target_modules="all-linear", lora_dropout=0.0))
-    assert t.sampler.vllm_samples_reference
+    assert t.sampler.generator.samples_reference
     before = t.paired_completions(tiny_prompt_dataset(tok, 8), seed=5)
     assert all(r["policy"] == r["reference"] for r in before) and t.vllm.syncs == 1
     assert len({r["policy"] for r in before}) > 1  # sampled, not one greedy answer

@@ -79,7 +79,7 @@ from trl_ext.testing import (
     tiny_scalar_model,
     tiny_tokenizer,
 )
-from trl_ext.trainer.sampling import ResponseSampler
+from trl_ext.trainer.generators import HFGenerate
 
 GLOBAL_BATCH = 8
 PACKED_BUDGET = 14  # `packed_budget`'s tokens per micro-batch: the longest row (prompt + response_length) is 12
@@ -109,17 +109,17 @@ def seeded_generate(policy, queries, query_mask, sampling, chunk_size):
 
 @contextmanager
 def matched_sampling():
-    def draw(self, policy, queries, query_mask, generator=None):  # ResponseSampler.draw: the one HF generate call
-        # (the rows seeded by prompt and rollout instead of the iteration's generator)
+    def draw(self, policy, queries, query_mask, sampling, generator=None):  # HFGenerate.draw: the one HF generate
+        # call (the rows seeded by prompt and rollout instead of the iteration's generator)
         with self.backend.accelerator.autocast():
-            return seeded_generate(policy, queries, query_mask, self.sampling, self.forward_batch_size)
+            return seeded_generate(policy, queries, query_mask, sampling, self.forward_batch_size)
 
-    saved, ResponseSampler.draw = ResponseSampler.draw, draw
+    saved, HFGenerate.draw = HFGenerate.draw, draw
     _ROLLOUTS[0] = 0
     try:
         yield
     finally:
-        ResponseSampler.draw = saved
+        HFGenerate.draw = saved
 
 
 class StopAt(TrainerCallback):

@@ -228,7 +228,7 @@ def test_the_sampler_thread_generates_in_the_losss_precision(tmp_path, monkeypat
     """Autocast is per thread: the sampler's thread enters the run's own (bf16 here), as the synchronous draw does."""
     import threading
 
-    import trl_ext.trainer.sampling as sampling
+    import trl_ext.trainer.generators as sampling
 
     seen, generate = [], sampling.generate_responses
 

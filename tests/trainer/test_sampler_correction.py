@@ -102,13 +102,13 @@ def _rollout(trainer, sampler_shift: float):
         responses, logprobs = draw(*args, **kwargs)
         return responses, logprobs - sampler_shift
 
-    draw = trainer.sampler.draw  # the one call of HF generate
+    draw = trainer.sampler.hf.draw  # the one call of HF generate
     batch = next(iter(trainer.dataloader))
-    trainer.sampler.draw = shifted
+    trainer.sampler.hf.draw = shifted
     try:
         return trainer.rollout(batch["input_ids"], batch["attention_mask"])
     finally:
-        del trainer.sampler.draw
+        del trainer.sampler.hf.draw
 
 
 def test_trainer_weights_the_policy_loss_by_the_samplers_mismatch(tmp_path):
@@ -121,7 +121,7 @@ def test_trainer_weights_the_policy_loss_by_the_samplers_mismatch(tmp_path):
     mask = rollout.response_mask
     torch.testing.assert_close(rollout.sampler_weights[mask], torch.full((int(mask.sum()),), math.exp(0.5)),
                                rtol=1e-5, atol=0)
-    metrics = on.metrics(rollout, on.ppo_update(rollout), on.kl_ctl.value, False)
+    metrics = on.metrics(rollout, on.ppo_update(rollout), on.kl_ctl.value, False, (0, 1.0), 1.0)
     assert metrics["sampling/importance_sampling_ratio/mean"] == pytest.approx(math.exp(0.5), rel=1e-5)
     assert metrics["sampling/importance_sampling_masked"] == 0.0
     assert metrics["rollout/sampler_logprob_diff_mean"] == pytest.approx(0.5, rel=1e-4)
@@ -140,7 +140,7 @@ def test_trainer_weights_the_policy_loss_by_the_samplers_mismatch(tmp_path):
     masked = _trainer(tmp_path / "mask", vllm_importance_sampling_correction=True)
     weights = _rollout(masked, 0.5).sampler_weights
     assert torch.count_nonzero(weights) == 0
-    assert masked.metrics(_rollout(masked, 0.0), masked.ppo_update(_rollout(masked, 0.0)), 0.1, False)[
+    assert masked.metrics(_rollout(masked, 0.0), masked.ppo_update(_rollout(masked, 0.0)), 0.1, False, (0, 1.0), 1.0)[
         "sampling/importance_sampling_ratio/max"] == pytest.approx(1.0, abs=1e-4)  # the sampler is the policy
 
 

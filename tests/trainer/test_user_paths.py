@@ -352,13 +352,13 @@ def test_generate_completions_moves_the_batch_to_the_device_and_keeps_the_traini
 
     t.eval_dataloader.collate_fn = tracked_collate
     seen = []
-    original = t.sampler.draw  # the one call of HF generate
+    original = t.sampler.hf.draw  # the one call of HF generate
 
     def spy(policy, queries, query_mask, *generator):
         seen.append(type(queries) is torch.Tensor and type(query_mask) is torch.Tensor)
         return original(policy, queries.as_subclass(torch.Tensor), query_mask.as_subclass(torch.Tensor), *generator)
 
-    monkeypatch.setattr(t.sampler, "draw", spy)
+    monkeypatch.setattr(t.sampler.hf, "draw", spy)
     state = torch.get_rng_state()
     t.generate_completions()
     assert seen and all(seen)

@@ -5,7 +5,8 @@
     rollout.py       steps 1-7 (generate, score, rewards, advantages): a `Rollout` (`core/types.py`); the
                      synchronous rollout source (`SyncRollouts`)
     update.py        step 8: PPO epochs over minibatches of micro-batches, the loss terms
-    sampling.py      every draw of responses: the rollout's, evaluation's and the samples' (HF generate or vLLM)
+    sampling.py      every draw of responses: the rollout's, evaluation's and the samples', seeded
+    generators.py    what draws, chosen once: HF generate, or vLLM colocated or as a server (`sync`, `generate`)
     async_rollouts.py  async_rollouts' rollout source: the sampler's thread, the version schedule, the hand-over
     backend.py       the engine (one process, DDP, DeepSpeed ZeRO-1/2/3, FSDP2) and the model layout, decided once
     checkpoint.py    checkpoint-N: what it holds, writing it atomically, resuming from it (`Checkpoints`)

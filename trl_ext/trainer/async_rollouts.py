@@ -105,7 +105,7 @@ class ServerSampler:
     (`VLLMServerSampler.load_version`), unloaded once no draw needs it."""
 
     def __init__(self, sampler):
-        self.sampler, self.server = sampler, sampler.vllm
+        self.sampler, self.server = sampler, sampler.generator.engine
 
     def weights(self, policy: torch.nn.Module, version: int) -> str:
         return self.server.load_version(policy, version)

@@ -511,6 +511,39 @@ class Backend:
                                    "fsdp.yaml, writes whole files)"}
         return {"name": "DDP" if self.num_processes > 1 else "one process", "files": "whole", "per_process": None}
 
+    def layout_settings(self) -> dict:
+        """What a checkpoint records of the layout, which a resumed run must share (`checkpoint.run_settings`)."""
+        return {"shared_base": True} if self.shared is not None else {}
+
+    def save_roles(self, folder: str, tokenizer, save_policy, with_value_model: bool) -> None:
+        """The trained models into `folder` (every process calls this): a shared base's adapters and value head
+        (`policy/`, `critic/`, `value_head.safetensors`) and the tokenizer; otherwise the policy (its adapter, with
+        peft) by `save_policy(folder, state_dict)` and, if asked, the value model into `folder/value_model`. Under
+        ZeRO-3 and FSDP2 the whole weights are gathered first (a collective); elsewhere each process holds them."""
+        from .checkpoint import VALUE_MODEL_DIR
+
+        if self.shared is not None:
+            if self.accelerator.is_main_process:
+                self.shared.save_pretrained(folder)
+                tokenizer.save_pretrained(folder)
+            return
+        policy_state, value_state = self.role_state_dicts()  # a collective under ZeRO-3 and FSDP2
+        if not self.accelerator.is_main_process:
+            return
+        save_policy(folder, policy_state)
+        if with_value_model:
+            self.unwrap().value_model.save_pretrained(os.path.join(folder, VALUE_MODEL_DIR), state_dict=value_state)
+
+    def load_trained(self, checkpoint: str, is_peft: bool) -> None:
+        """The trained weights of a checkpoint that the engine did not restore itself: a shared base's adapters and
+        heads, or the policy's and the value model's (`checkpoint.load_trained_weights`)."""
+        from .checkpoint import load_trained_weights
+
+        if self.shared is not None:
+            self.shared.load_trained(checkpoint)
+        else:
+            load_trained_weights(self.unwrap(), checkpoint, is_peft)
+
     def role_state_dicts(self) -> tuple[dict | None, dict | None]:
         """(policy, value model) state dicts to save on the main process: gathered whole from the shards under
         ZeRO-3 and FSDP2 (a collective: every process calls this), None where each process holds the weights."""
@@ -580,7 +613,7 @@ class Backend:
         `load_fsdp2_optimizer`)."""
         from torch.distributed.checkpoint.state_dict import StateDictOptions, set_model_state_dict
 
-        from .checkpoint import check_loaded, load_trained_weights, whole_optimizer_state, whole_weights
+        from .checkpoint import check_loaded, whole_optimizer_state, whole_weights
 
         wrapper, optimizer = self.unwrap(), getattr(optimizer, "optimizer", optimizer)
         if self.fsdp:
@@ -589,7 +622,7 @@ class Backend:
                                                                                          strict=False))
             check_loaded(self.model, weights, result, checkpoint)
         else:
-            load_trained_weights(wrapper, checkpoint, is_peft, self.shared)
+            self.load_trained(checkpoint, is_peft)
         state = whole_optimizer_state(checkpoint, saved["files"], optimizer, wrapper)
         self._set_optimizer_state(self.model if self.fsdp else wrapper, optimizer, state, sorted(state["state"]),
                                   StateDictOptions(full_state_dict=True, strict=False), checkpoint)

@@ -47,9 +47,9 @@ from ..rewards import RewardNormalizer, RewardScorer, has_score_head, is_reward_
 from ..rewards.functions import GRPORewardFunction
 from .async_rollouts import AsyncRollouts, ServerSampler, ThreadSampler
 from .backend import reference_copy
+from .generators import HFGenerate, VLLMGenerate, colocated_vllm, server_vllm
 from .multi_turn import MultiTurn, RolloutFunction
 from .rollout import SyncRollouts
-from .sampling import colocated_vllm, server_vllm
 
 if is_peft_available():
     from peft import PeftModel, get_peft_model
@@ -526,17 +526,23 @@ def trunk_from_reference(args, backend, shared, unwrapped, ref_model, reference,
     return None
 
 
-def vllm_sampler(args, backend, shared, policy, tokenizer, sampling, local_seed: int):
-    """The colocated vLLM engine of `use_vllm`, or the vLLM servers of vllm_mode='server'
-    (trl_ext/trainer/sampling.py)."""
+def generators(args, backend, shared, reference, policy, tokenizer, sampling, local_seed: int):
+    """What draws the responses (trl_ext/trainer/generators.py), chosen once: (HF generate, the rollouts' generator,
+    the vLLM engine or None). The rollouts' generator is HF generate itself, or with use_vllm the colocated vLLM
+    engine or the vLLM servers of vllm_mode='server'; HF generate draws evaluation's completions either way."""
+    hf = HFGenerate(backend, args.local_rollout_forward_batch_size, args.ds3_gather_for_generation)
+    if not args.use_vllm:
+        return hf, hf, None
     accelerator = backend.accelerator
     if args.vllm_mode == "server":
         adapter = POLICY if shared is not None else args.model_adapter_name
-        return server_vllm(args, policy, tokenizer, sampling, accelerator.device, backend.params_sharded,
-                           accelerator, adapter)
-    whole_policy = shared is None and not backend.params_sharded
-    return colocated_vllm(args, policy, tokenizer, sampling, accelerator.device, whole_policy, local_seed,
-                          accelerator.num_processes)
+        engine = server_vllm(args, policy, tokenizer, sampling, accelerator.device, backend.params_sharded,
+                             accelerator, adapter)
+    else:
+        whole_policy = shared is None and not backend.params_sharded
+        engine = colocated_vllm(args, policy, tokenizer, sampling, accelerator.device, whole_policy, local_seed,
+                                accelerator.num_processes)
+    return hf, VLLMGenerate(engine, backend, reference), engine
 
 
 def rollout_source(args, phase, async_engine, device: torch.device):

@@ -121,7 +121,7 @@ def _numel(param: torch.Tensor) -> int:
     return getattr(param, "ds_numel", param.numel())
 
 
-def run_settings(args, wrapper, num_prompts: int, is_peft: bool, shared: bool) -> dict:
+def run_settings(args, wrapper, num_prompts: int, is_peft: bool, layout: dict) -> dict:
     """What a resumed run must share with the run that saved the checkpoint: the global batch and minibatch, not how
     they are split over processes and micro-batches (`check_layout` decides whether the process count may change)."""
     return {
@@ -131,7 +131,7 @@ def run_settings(args, wrapper, num_prompts: int, is_peft: bool, shared: bool) -
         "num_prompts": num_prompts, "kl_controller": args.kl_controller, "peft": is_peft,
         "policy_trainable_parameters": sum(_numel(p) for p in wrapper.policy_parameters() if p.requires_grad),
         "value_parameters": sum(_numel(p) for p in wrapper.value_parameters()),
-    } | ({"shared_base": True} if shared else {})
+    } | layout
 
 
 # How a failed write shows: OSError (open, json), torch's RuntimeError for a full disk ("[enforce fail at
@@ -449,12 +449,9 @@ def read_state(checkpoint: str) -> dict:
         return json.load(f)
 
 
-def load_trained_weights(wrapper, checkpoint: str, is_peft: bool, shared) -> None:
-    """The trained weights of a checkpoint that the engine did not restore itself: a shared base's adapters and
-    heads, or the policy (its adapter, with peft) and the value model (a quantized critic's LoRA)."""
-    if shared is not None:
-        shared.load_trained(checkpoint)
-        return
+def load_trained_weights(wrapper, checkpoint: str, is_peft: bool) -> None:
+    """The trained weights of a checkpoint that the engine did not restore itself (a shared base loads its own:
+    `Backend.load_trained`): the policy (its adapter, with peft) and the value model (a quantized critic's LoRA)."""
     if is_peft:
         load_adapter(wrapper.policy, checkpoint)
     else:
@@ -521,7 +518,7 @@ class Checkpoints:
     def settings(self, trainer) -> dict:
         """The settings a resumed run must share with the checkpoint (`run_settings`)."""
         return run_settings(self.args, trainer.unwrapped, trainer.train_dataset_len, trainer.is_peft_model,
-                            trainer.shared is not None)
+                            self.backend.layout_settings())
 
     def save(self, trainer) -> None:
         """Write `checkpoint-N` atomically (into `checkpoint-N.partial`, then one rename: `staged`), and the model
@@ -536,10 +533,8 @@ class Checkpoints:
         if main:
             trainer._write_model_card()
         with staged(args.output_dir, state.global_step, self.backend, args.save_total_limit) as folder:
-            if trainer.shared is not None:  # its policy and critic adapters and value head
-                trainer.save_model(folder, _internal_call=True)
-            else:  # the policy (its adapter, with peft) and the value model
-                trainer._save_roles(folder, with_value_model=True)
+            # the policy (its adapter, with peft) and the value model, or a shared base's adapters and value head
+            self.backend.save_roles(folder, trainer.processing_class, trainer._save_policy, with_value_model=True)
             # the optimizer and scheduler (DeepSpeed: its engine checkpoint, with the weights; FSDP2: its own files)
             trainer._save_optimizer_and_scheduler(folder)
             trainer._save_rng_state(folder)
@@ -578,7 +573,7 @@ class Checkpoints:
             scheduler.load_state_dict(torch.load(scheduler_file, weights_only=True))
         else:
             if not backend.load_engine_checkpoint(checkpoint):
-                load_trained_weights(trainer.unwrapped, checkpoint, trainer.is_peft_model, trainer.shared)
+                backend.load_trained(checkpoint, trainer.is_peft_model)
             trainer._load_optimizer_and_scheduler(checkpoint)
         trainer._resumed_draws = load_drawn(checkpoint, self.accelerator.process_index)  # async_rollouts' draws
         trainer.kl_ctl.load_state_dict(saved["kl_controller"])

@@ -55,7 +55,7 @@ from . import builders as build
 from .allocator import reuse_freed_memory
 from .async_rollouts import AsyncRollouts
 from .backend import Backend, Reference
-from .checkpoint import VALUE_MODEL_DIR, Checkpoints, WeightGrowth, recovery_advice
+from .checkpoint import Checkpoints, WeightGrowth, recovery_advice
 from .evaluation import Evaluator
 from .multi_turn import MultiTurn, RolloutFunction
 from .preemption import Preemption
@@ -169,12 +169,14 @@ class PPOTrainer(PPOTrainerBase):
         # what PPO samples: softmax(logits / temperature) of the policy, stopping at the stop token (if any)
         self.sampling = Sampling(args.response_length, args.temperature, self.stop_token_id)
         self.generation_config = sampling_config(self.sampling)  # the complete config generate() runs with
-        self.vllm = build.vllm_sampler(args, self.backend, self.shared, self.unwrapped.policy, processing_class,
-                                       self.sampling, self.local_seed) if args.use_vllm else None
+        # what draws: HF generate, and the rollouts' generator (HF generate itself, or vLLM: self.vllm its engine)
+        hf, generator, self.vllm = build.generators(args, self.backend, self.shared, self.reference,
+                                                    self.unwrapped.policy, processing_class, self.sampling,
+                                                    self.local_seed)
         # each process's global RNG (the minibatch order; the rollouts draw from generators seeded per iteration),
         # seeded last, as DeepSpeed's engine set-up may draw random numbers
         torch.manual_seed(self.local_seed)
-        self._setup_phases()
+        self._setup_phases(hf, generator)
         self.async_engine = build.async_sampler(args, self.vllm, self.shared, self.backend.params_sharded,
                                                 self.sampler, self.unwrapped.policy) if args.async_rollouts else None
         # each train() opens the rollout source on its prompt batches: synchronous, or async_rollouts' sampler thread
@@ -258,14 +260,13 @@ class PPOTrainer(PPOTrainerBase):
         self.reference = Reference(self.ref_model, self.shared, self.is_peft_model, self.ref_adapter_name,
                                    self.model_adapter_name, self.args.temperature)
 
-    def _setup_phases(self) -> None:
+    def _setup_phases(self, hf, generator) -> None:
         """The phases of an iteration, each given only what it uses: the sampler (every draw of responses), the
         rollout (steps 1-7), the update (step 8) and the evaluator; `phases` announces them (progress, benchmarks)."""
         args = self.args
         self.phases = Phases()
         self.sampler = ResponseSampler(self.backend, self.reference, self.sampling, self.processing_class.pad_token_id,
-                                       args.local_rollout_forward_batch_size, args.ds3_gather_for_generation,
-                                       self.local_seed, self.vllm)
+                                       hf, generator, self.local_seed)
         more_prompts = MorePrompts(self.prompt_batches, self.train_dataset, self.data_collator, args.seed,
                                    self.accelerator.device)
         self.rollout_phase = RolloutPhase(args, self.backend, self.sampler, self.reference, self.reward_scorer,
@@ -356,10 +357,12 @@ class PPOTrainer(PPOTrainerBase):
         return vf_coef_at(self.args, self.state.global_step)
 
     # ------------------------------------------------------------------------------------------------ logging
-    def metrics(self, rollout: Rollout, stats: UpdateStats, kl_coef: float, warmup: bool) -> dict:
+    def metrics(self, rollout: Rollout, stats: UpdateStats, kl_coef: float, warmup: bool,
+                run: tuple[int, float], iteration_seconds: float) -> dict:
         """Step 9: TRL's metric keys and trl_ext's (trl_ext/monitoring/diagnostics.py), over real tokens and all
-        processes.
-        kl_coef: the β this rollout's rewards were shaped with."""
+        processes (an evaluation's are added where one runs).
+        kl_coef: the β this rollout's rewards were shaped with; run: (episodes, seconds) since train() started (TRL's
+        `eps`, episodes per second); iteration_seconds: this iteration's rollout and update."""
         gather = self.backend.gather
         m = rollout_metrics(rollout, kl_coef, self.stop_token_id, gather)
         if rollout.source_scores is not None:
@@ -372,6 +375,8 @@ class PPOTrainer(PPOTrainerBase):
         if self.args.vf_coef_end is not None:
             m["val/vf_coef"] = self.vf_coef  # the weight this update's value loss had
         m["episode"] = self.state.episode
+        m["eps"] = run[0] / max(run[1], 1e-9)
+        m["perf/tokens_per_second"] = m["rollout/tokens"] / iteration_seconds  # real tokens of all processes
         m.update(grpo_metrics(m, self.reward_scorer.names))  # GRPOTrainer's names of the same numbers
         return m
 
@@ -471,10 +476,8 @@ class PPOTrainer(PPOTrainerBase):
                 raise FloatingPointError(f"{e} {recovery_advice(args.output_dir, self.weight_growth)}") from e
             self.rollouts.publish(self.unwrapped.policy, self.state.global_step + 1)  # (async: if a batch needs it)
             # 9. metrics; then adapt β for the *next* rollout from this batch's per-sequence KL
-            metrics = self.metrics(rollout, stats, kl_coef, warmup)
-            metrics["eps"] = (self.state.episode - start_episode) / max(time.time() - start_time, 1e-9)  # episodes/s
-            # real tokens of all processes per second of this iteration's rollout and update
-            metrics["perf/tokens_per_second"] = metrics["rollout/tokens"] / (time.perf_counter() - iteration_start)
+            run = (self.state.episode - start_episode, time.time() - start_time)
+            metrics = self.metrics(rollout, stats, kl_coef, warmup, run, time.perf_counter() - iteration_start)
             self.kl_ctl.update(mean_sequence_kl(rollout, self.backend.gather), args.batch_size)
             self.state.epoch = self.state.episode / self.episodes_per_epoch
             self.state.global_step += 1
@@ -510,32 +513,19 @@ class PPOTrainer(PPOTrainerBase):
     # ------------------------------------------------------------------------------------------------ saving
     def save_model(self, output_dir: str | None = None, _internal_call: bool = False):
         """Save the policy (its adapter, with peft) for inference, under DDP, DeepSpeed or FSDP2 (every process
-        calls this). A shared base saves `policy/` and `critic/` (peft adapters) and
-        `value_head.safetensors`."""
+        calls this). A shared base saves `policy/` and `critic/` (peft adapters) and `value_head.safetensors`."""
         output_dir = output_dir or self.args.output_dir
-        if self.shared is not None:
-            if self.accelerator.is_main_process:
-                self.shared.save_pretrained(output_dir)
-                self.processing_class.save_pretrained(output_dir)
-            return
-        self._save_roles(output_dir, with_value_model=False)
+        self.backend.save_roles(output_dir, self.processing_class, self._save_policy, with_value_model=False)
         if self.args.push_to_hub and not _internal_call:
             self.push_to_hub(commit_message="Model save")
 
-    def _save_roles(self, folder: str, with_value_model: bool) -> None:
-        """The policy into `folder` (weights, config, tokenizer, training args: `Trainer._save`) and, if asked, the
-        value model into `folder/value_model`. Under ZeRO-3 and FSDP2 the whole weights are gathered first (a
-        collective); elsewhere each process holds them."""
-        policy_state, value_state = self.backend.role_state_dicts()  # a collective under ZeRO-3 and FSDP2
-        if not self.accelerator.is_main_process:
-            return
+    def _save_policy(self, folder: str, state_dict: dict | None) -> None:
+        """`Trainer._save` of the policy: its weights (`state_dict`, or its own), config, tokenizer, training args."""
         wrapped, self.model = self.model, self.unwrapped.policy
         try:
-            Trainer._save(self, folder, state_dict=policy_state)
+            Trainer._save(self, folder, state_dict=state_dict)
         finally:
             self.model = wrapped
-        if with_value_model:
-            self.unwrapped.value_model.save_pretrained(os.path.join(folder, VALUE_MODEL_DIR), state_dict=value_state)
 
     def _should_evaluate(self) -> bool:
         steps = self.state.eval_steps or self.args.logging_steps
