@@ -6,6 +6,8 @@ import pytest
 from packaging.version import Version
 
 os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
+if os.environ.get("PYTEST_XDIST_WORKER"):  # `pytest -n 2`: one thread per worker (and its subprocesses), so two
+    os.environ.setdefault("OMP_NUM_THREADS", "1")  # workers share the cores instead of fighting over them
 warnings.filterwarnings("ignore", category=FutureWarning)
 
 
