@@ -2,6 +2,7 @@
 root holds only what serves every room, and no module imports a module that imports it back."""
 
 import ast
+import functools
 import re
 import subprocess
 import sys
@@ -143,23 +144,30 @@ FEATURES = {
 CHOSEN_ONCE = {"config.py", "trainer/builders.py"}
 
 
-def _branches(pattern: str) -> dict[str, list[int]]:
-    """{file: lines} of the training path (the planner in tools/ and the recipes' scripts/ model every layout by
-    design) where an if/elif/while or conditional expression asks for `pattern`, outside set-up."""
-    found = {}
-    for path in PACKAGE.rglob("*.py"):
+@functools.cache
+def _conditions() -> list[tuple[str, int, str]]:
+    """(file, line, condition) of every if/elif/while and conditional expression on the training path (the planner in
+    tools/ and the recipes' scripts/ model every layout by design), outside set-up."""
+    found = []
+    for path in sorted(PACKAGE.rglob("*.py")):
         name = path.relative_to(PACKAGE).as_posix()
         if name in CHOSEN_ONCE or name.split("/")[0] in ("tools", "scripts"):
             continue
-        source = path.read_text()
-        tree = ast.parse(source)
+        tree = ast.parse(path.read_text())
         setup = [(f.lineno, f.end_lineno) for f in ast.walk(tree) if isinstance(f, ast.FunctionDef)
                  and (f.name == "__init__" or f.name.startswith("_setup"))]
-        for node in ast.walk(tree):
-            if isinstance(node, (ast.If, ast.While, ast.IfExp)):
-                test = ast.get_source_segment(source, node.test) or ""
-                if re.search(pattern, test) and not any(a <= node.lineno <= b for a, b in setup):
-                    found.setdefault(name, []).append(node.lineno)
+        found += [(name, node.lineno, ast.unparse(node.test)) for node in ast.walk(tree)
+                  if isinstance(node, (ast.If, ast.While, ast.IfExp))
+                  and not any(a <= node.lineno <= b for a, b in setup)]
+    return found
+
+
+def _branches(pattern: str) -> dict[str, list[int]]:
+    """{file: lines} where a condition on the training path asks for `pattern`, outside set-up."""
+    found = {}
+    for name, line, test in _conditions():
+        if re.search(pattern, test):
+            found.setdefault(name, []).append(line)
     return found
 
 
