@@ -206,6 +206,32 @@ def test_without_a_value_model_a_critic_is_made_from_the_policy_and_printed(tmp_
     assert f"{trainable:,} trainable parameters" in out and "reference: a frozen copy of the policy" in out
 
 
+def trainable_names(model) -> set[str]:
+    return {n for n, p in model.named_parameters() if p.requires_grad}
+
+
+def test_a_made_critic_trains_its_top_layers_norm_and_head(tmp_path, capsys):
+    """value_trainable_layers unset: a made critic trains its top 2 decoder layers (all the tiny model has), its
+    final norm and its head, never its embeddings; 1 trains the top layer alone, and its lower layer is then the
+    reference's (the frozen trunk, computed by the reference pass); -1 trains all of it; a given critic is left
+    as given unless value_trainable_layers is set."""
+    made = make_trainer(config(tmp_path), value=None).unwrapped.value_model
+    assert trainable_names(made) == {n for n, _ in made.named_parameters() if "embed_tokens" not in n}
+    assert "its top 2 of 2 decoder layers, final norm and head trained" in capsys.readouterr().out
+    t = make_trainer(config(tmp_path, value_trainable_layers=1), value=None)
+    top = trainable_names(t.unwrapped.value_model)
+    assert top and all(n.startswith(("model.layers.1.", "model.norm.", "score.")) for n in top)
+    assert t.trunk_from_reference is not None  # the frozen layer 0 runs once per rollout, in the reference's pass
+    every = make_trainer(config(tmp_path, value_trainable_layers=-1), value=None).unwrapped.value_model
+    assert trainable_names(every) == {n for n, _ in every.named_parameters()}
+    given = make_trainer(config(tmp_path)).unwrapped.value_model
+    assert trainable_names(given) == {n for n, _ in given.named_parameters()}
+    given_top = make_trainer(config(tmp_path, value_trainable_layers=0)).unwrapped.value_model
+    assert trainable_names(given_top) == {"model.norm.weight", "score.weight"}
+    with pytest.raises(ValueError, match="value_trainable_layers=-2 must be >= 0 decoder layers, -1"):
+        config(tmp_path, value_trainable_layers=-2)
+
+
 def test_value_model_init_errors(tmp_path):
     with pytest.raises(ValueError, match="No value model"):
         make_trainer(config(tmp_path, value_model_init="given"), value=None)

@@ -404,20 +404,37 @@ def test_what_a_grpo_script_reads_back_means_the_policy(model_dir, tmp_path):
     assert [h["step"] for h in trainer.state.log_history if "reward" in h] == [1]
 
 
-def test_a_4bit_policy_without_a_critic_is_pointed_to_the_shared_base(tmp_path):
-    """No critic is made from a quantized policy's backbone yet: the error names the two ways that work."""
+@pytest.mark.slow
+def test_a_4bit_policy_with_a_peft_config_gets_a_shared_base_for_its_critic_and_reference(tmp_path, capsys):
+    """GRPO's call with a 4-bit policy and a LoraConfig: one shared 4-bit base (the QLoRA recipes' layout) with the
+    policy's adapter, a 'critic' adapter and a zeroed value head; the reference is the base with adapters disabled.
+    Training moves both adapters and the head; without a peft_config the 4-bit policy is still refused by name."""
     from peft import LoraConfig
 
+    from trl_ext.models import SharedBaseModels
     from trl_ext.testing import tiny_4bit_causal_lm
 
     tok = tiny_tokenizer()
-    policy = tiny_4bit_causal_lm(tok, tmp_path / "base")
-
-    with pytest.raises(ValueError, match="cannot copy a quantized policy's backbone: pass a value_model, or build "
-                                         "the policy with trl_ext.models.build_shared_base"):
-        PPOTrainer(model=policy, processing_class=tok, reward_funcs=accuracy_reward, train_dataset=prompts(4),
-                   args=PPOConfig(output_dir=str(tmp_path / "out"), report_to=[]),
-                   peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    args = PPOConfig(output_dir=str(tmp_path / "out"), report_to=[], per_device_train_batch_size=4,
+                     total_episodes=8, response_length=4, learning_rate=1e-2, save_strategy="no",
+                     gradient_checkpointing=False)
+    t = PPOTrainer(model=tiny_4bit_causal_lm(tok, tmp_path / "base"), processing_class=tok,
+                   reward_funcs=lambda completions, **kw: [float(len(c)) for c in completions],
+                   train_dataset=prompts(8), args=args, peft_config=LoraConfig(r=4, target_modules="all-linear"))
+    out = capsys.readouterr().out
+    assert isinstance(t.shared, SharedBaseModels) and t.ref_model is None
+    assert out.count("trl_ext: critic: a 'critic' LoRA adapter") == 1
+    assert "reference: the shared base with its adapters disabled" in out
+    assert (t.shared.value_model.score.weight == 0).all()
+    before = {n: [p.detach().clone() for p in ps] for n, ps in
+              (("policy", t.shared.policy_parameters()), ("critic", t.shared.value_parameters()))}
+    t.train()
+    for name, ps in (("policy", t.shared.policy_parameters()), ("critic", t.shared.value_parameters())):
+        assert any(not torch.equal(a, b) for a, b in zip(before[name], ps)), f"the {name} adapter did not move"
+    with pytest.raises(ValueError, match="cannot copy a quantized policy's backbone: pass a peft_config"):
+        PPOTrainer(model=tiny_4bit_causal_lm(tok, tmp_path / "base2"), processing_class=tok,
+                   reward_funcs=accuracy_reward, train_dataset=prompts(4),
+                   args=PPOConfig(output_dir=str(tmp_path / "out2"), report_to=[]))
 
 
 def test_accelerate_config_runs_the_script_under_accelerate_launch(monkeypatch):

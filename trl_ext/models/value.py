@@ -268,8 +268,8 @@ def build_value_model(init: str, head_init: str | None, value_model, policy, rew
             if is_quantized(policy):
                 raise ValueError("value_model_init='policy' (also what an unset value_model_init builds when no "
                                  "value_model is passed) cannot copy a quantized policy's backbone: pass a "
-                                 "value_model, or build the policy with trl_ext.models.build_shared_base (one 4-bit "
-                                 "base for the policy, the critic and the reference).")
+                                 "peft_config (one shared 4-bit base is then made for the policy, the critic and "
+                                 "the reference, as trl_ext.models.build_shared_base builds it), or a value_model.")
             if hasattr(policy, "merge_and_unload"):  # a PeftModel: the backbone with its adapter merged in
                 base = copy.deepcopy(policy).merge_and_unload()
             else:

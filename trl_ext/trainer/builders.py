@@ -32,9 +32,11 @@ from ..models import (
     FrozenTrunk,
     Padded,
     SharedBaseModels,
+    build_shared_base,
     build_value_model,
     cast_lm_head_to_fp32,
     check_padding_free,
+    freeze_backbone,
     is_quantized,
     lm_logits,
     lora_for_quantized_value_model,
@@ -142,10 +144,23 @@ def check_arguments(args, tokenizer, model, ref_model, train_dataset) -> None:
 
 
 def shared_base(args, model, ref_model, value_model, peft_config) -> SharedBaseModels | None:
-    """The shared base (trl_ext.models.build_shared_base: one base model, every role an adapter of it) if `model` is
-    one, checked against the other arguments; else None."""
+    """The shared base (trl_ext.models.build_shared_base: one base model, every role an adapter of it): `model` if
+    it is one, checked against the other arguments; one made for a 4-bit/8-bit policy given with a peft_config and
+    no critic or reference (the QLoRA recipes' layout: a second quantized copy for the critic would double the base's
+    memory, and its embeddings could not be trained); else None."""
     if not isinstance(model, SharedBaseModels):
-        return None
+        if not (is_quantized(model) and peft_config is not None and value_model is None and ref_model is None
+                and args.value_model_init in (None, "policy") and not args.ref_adapter_name
+                and not (is_peft_available() and isinstance(model, PeftModel))):
+            return None
+        shared = build_shared_base(model, peft_config, value_head_init=args.value_head_init or "zero")
+        trainable = sum(p.numel() for p in shared.value_parameters())
+        made_for_you(f"critic: a 'critic' LoRA adapter (the peft_config's) and a new zero-initialised value head on "
+                     f"the policy {name_of(model)}'s quantized base, shared with the policy's adapter "
+                     f"(trl_ext.models.build_shared_base), {trainable:,} trainable parameters (pass a shared base "
+                     "or value_model=... to use your own)")
+        made_for_you("reference: the shared base with its adapters disabled (no copy)")
+        return shared
     if peft_config is not None:
         raise ValueError("A shared-base model already carries its adapters: pass peft_config=None (give the "
                          "LoraConfigs to build_shared_base).")
@@ -279,21 +294,50 @@ def rewards(args, tokenizer, engine, reward_model, reward_processing_classes, ev
 
 
 # ------------------------------------------------------------------------------------------------ the models
+# The top decoder layers a critic made for you trains (value_trainable_layers unset): the SmolLM2 recipes' critic,
+# measured in docs/results.md ("The critic made for you"); its lower layers are the reference's (FrozenTrunk).
+MADE_CRITIC_LAYERS = 2
+
+
 def critic(args, shared, value_model, policy, peft_config, scorer: RewardScorer, tokenizer):
-    """The critic, built before PEFT touches the policy (value_model_init="policy" copies the plain backbone)."""
+    """The critic, built before PEFT touches the policy (value_model_init="policy" copies the plain backbone), with
+    only its top `value_trainable_layers` trained (unset: MADE_CRITIC_LAYERS for a made one, all of a given one)."""
     if shared is not None:
+        if args.value_trainable_layers is not None:
+            raise ValueError(f"value_trainable_layers={args.value_trainable_layers} trains a critic's top layers; "
+                             "a shared base's critic is a LoRA adapter on every layer: unset it.")
         return shared.value_model  # the critic adapter + value head
     init = args.value_model_init or ("given" if value_model is not None else "policy")
     source = _reward_model_for_critic(scorer, tokenizer) if init == "reward_model" else None
     built = build_value_model(init, args.value_head_init, value_model, policy, source)
+    layers = args.value_trainable_layers
+    if layers is None and value_model is None and has_decoder_layers(built) and not is_quantized(built):
+        layers = min(MADE_CRITIC_LAYERS, len(_decoder_layers(built)))
+    if layers is not None and layers >= 0:
+        if is_quantized(built):
+            raise ValueError(f"value_trainable_layers={layers}: the critic is quantized, so it trains a LoRA "
+                             "adapter, not its top layers: unset value_trainable_layers.")
+        freeze_backbone(built, layers)  # (names the fix for a critic without Llama-style layers)
     if value_model is None:
         source_name = f"policy {name_of(policy)}" if init == "policy" else f"reward model {name_of(source)}"
+        trained = (f"its top {layers} of {len(_decoder_layers(built))} decoder layers, final norm and head trained"
+                   if layers is not None and layers >= 0 else "all of it trained")
         trainable = sum(p.numel() for p in built.parameters() if p.requires_grad)
         made_for_you(f"critic: {type(built).__name__}, the {source_name}'s backbone with a new 1-output head "
-                     f"({args.value_head_init or 'zero'}-initialised), {trainable:,} trainable parameters (pass "
-                     "value_model=... to use your own)")
+                     f"({args.value_head_init or 'zero'}-initialised), {trained}: {trainable:,} trainable parameters "
+                     "(value_trainable_layers=N to change; pass value_model=... to use your own)")
     # a 4-bit/8-bit critic trains LoRA + its head, never its embeddings and norms in full
     return lora_for_quantized_value_model(built, peft_config)
+
+
+def _decoder_layers(model) -> list:
+    return list(getattr(getattr(model, model.base_model_prefix, None), "layers", None) or [])
+
+
+def has_decoder_layers(model) -> bool:
+    """A Llama-style sequence classifier (`<prefix>.layers`, `.norm`, `score`): what freeze_backbone can split."""
+    backbone = getattr(model, getattr(model, "base_model_prefix", ""), None)
+    return bool(_decoder_layers(model)) and hasattr(backbone, "norm") and hasattr(model, "score")
 
 
 def name_of(model) -> str:

@@ -115,7 +115,8 @@ class PPOTrainer(PPOTrainerBase):
         # full_determinism=True (deterministic kernels, cuBLAS workspace: TrainingArguments' switch), else close only
         enable_full_determinism(args.seed) if args.full_determinism else set_seed(args.seed)
         self.shared = build.shared_base(args, model, ref_model, value_model, peft_config)
-        model = self.shared.policy if self.shared is not None else model
+        if self.shared is not None:  # (one made for a quantized policy took peft_config as its adapters)
+            model, peft_config = self.shared.policy, None
         self.stop_token_id = build.stop_token_id(args, processing_class)
         self.multi_turn = build.multi_turn(args, processing_class, self.stop_token_id, tools, environment_factory,
                                            rollout_func, eval_dataset, self)
