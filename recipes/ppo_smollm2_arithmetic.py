@@ -102,9 +102,6 @@ def held_out_accuracy(policy, tokenizer, held_out, temperature: float, max_new_t
 class ScriptArguments:
     """Recipe options that are not PPOConfig or ModelConfig fields."""
 
-    value_trainable_layers: int = field(
-        default=2, metadata={"help": "Train only the top N decoder layers (plus final norm and score head) of the "
-                             "value model; -1 trains all of it."})
     max_train_seconds: float | None = field(
         default=None, metadata={"help": "Stop training after this many seconds (checked after each PPO step)."})
     eval_before: bool = field(default=True, metadata={"help": "Measure the held-out accuracy before training too."})
@@ -116,6 +113,7 @@ class ScriptArguments:
 # steps and the training score fell to 0 (measured once each, plain and with a group baseline).
 RECIPE_DEFAULTS = dict(
     **CPU_DEFAULTS,
+    value_trainable_layers=2,  # the critic passed below: its top 2 decoder layers, final norm and head trained
     output_dir="runs/arithmetic",
     total_episodes=320,
     per_device_train_batch_size=8,
@@ -152,7 +150,6 @@ def build_trainer(script_args, args, model_args, reward=correct, callbacks=(), *
 
     from trl_ext import PPOTrainer
     from trl_ext.embedded import smollm2_path
-    from trl_ext.models import freeze_backbone
     from trl_ext.scripts import load_tokenizer
 
     set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
@@ -161,7 +158,6 @@ def build_trainer(script_args, args, model_args, reward=correct, callbacks=(), *
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
     value_model.config.pad_token_id = tokenizer.pad_token_id
-    freeze_backbone(value_model, script_args.value_trainable_layers)
     train_dataset, held_out = build_datasets()
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy, ref_model=None, reward_model=reward,
                          train_dataset=train_dataset, value_model=value_model, peft_config=get_peft_config(model_args),

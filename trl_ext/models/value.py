@@ -276,7 +276,8 @@ def build_value_model(init: str, head_init: str | None, value_model, policy, rew
                 base = policy
             config = copy.deepcopy(base.config)
             config.num_labels = 1
-            critic = AutoModelForSequenceClassification.from_config(config)
+            with torch.random.fork_rng(devices=[]):  # its throwaway random init leaves the run's stream (the LoRA
+                critic = AutoModelForSequenceClassification.from_config(config)  # matrices come next) as it was
             backbone = getattr(base, base.base_model_prefix)
             getattr(critic, critic.base_model_prefix).load_state_dict(backbone.state_dict())
             critic.to(dtype=next(base.parameters()).dtype, device=next(base.parameters()).device)
