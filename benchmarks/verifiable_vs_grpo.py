@@ -35,6 +35,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import resource
 import statistics
 import subprocess
 import sys
@@ -51,7 +52,7 @@ PPO_FLAGS = {
                  "--lam_value", "1.0", "--clip_ratio_high", "0.28", "--critic_warmup_steps", "4",
                  "--critic_warmup_explained_variance", "0.2"],
 }
-TRAINERS = ("grpo", "ppo", "ppo_vapo")
+TRAINERS = ("grpo", "ppo", "ppo_vapo", "ppo_grpo_script")
 SNAPSHOTS = (1 / 3, 2 / 3)  # shares of the budget drawn at which the adapter is copied (and at the end)
 
 
@@ -111,11 +112,19 @@ class PhaseSeconds:
         self.seconds[name] = self.seconds.get(name, 0.0) + time.perf_counter() - self.started.pop(name)
 
 
-def grpo_trainer(seed: int, budget: int, output_dir: str, reward, callbacks, learning_rate: float = 3e-4):
+def grpo_trainer(seed: int, budget: int, output_dir: str, reward, callbacks, learning_rate: float = 3e-4,
+                 ppo: bool = False):
+    """The GRPO script: GRPOTrainer's call with the model by path; `ppo`: the same script with the class names
+    changed (trl_ext's PPOConfig and PPOTrainer: PPO's defaults where GRPO's script sets nothing, the critic and
+    reference made for it)."""
     from ppo_smollm2_arithmetic import build_datasets
-    from transformers import AutoModelForCausalLM
-    from trl import GRPOConfig, GRPOTrainer, ModelConfig, get_peft_config
+    from trl import ModelConfig, get_peft_config
 
+    if ppo:
+        from trl_ext import PPOConfig as GRPOConfig
+        from trl_ext import PPOTrainer as GRPOTrainer
+    else:
+        from trl import GRPOConfig, GRPOTrainer
     from trl_ext.embedded import smollm2_path
     from trl_ext.scripts import LORA_DEFAULTS, load_tokenizer
 
@@ -127,10 +136,11 @@ def grpo_trainer(seed: int, budget: int, output_dir: str, reward, callbacks, lea
                       max_steps=budget // 8, lr_scheduler_type="constant", logging_steps=1, report_to="none",
                       save_strategy="no", bf16=False, use_cpu=True, gradient_checkpointing=False, seed=seed,
                       disable_tqdm=True)
-    trainer = GRPOTrainer(model=AutoModelForCausalLM.from_pretrained(path), reward_funcs=reward, args=args,
-                          train_dataset=train_dataset, processing_class=tokenizer,
-                          peft_config=get_peft_config(ModelConfig(**LORA_DEFAULTS)), callbacks=callbacks)
-    return trainer, trainer.model, tokenizer, held_out, args.temperature, args.max_completion_length
+    trainer = GRPOTrainer(model=path, reward_funcs=reward, args=args, train_dataset=train_dataset,
+                          processing_class=tokenizer, peft_config=get_peft_config(ModelConfig(**LORA_DEFAULTS)),
+                          callbacks=callbacks)
+    policy = trainer.unwrapped.policy if ppo else trainer.model
+    return trainer, policy, tokenizer, held_out, args.temperature, args.max_completion_length
 
 
 def ppo_trainer(name: str, seed: int, budget: int, output_dir: str, reward, callbacks):
@@ -165,7 +175,8 @@ def worker(name: str, seed: int, budget: int, out: str, held_out_size: int, grpo
             _, policy, tokenizer, held_out, temperature, length = grpo_trainer(seed, 8, tmp, reward, [], grpo_lr)
             runs = [{"completions": 0, "seconds": 0.0, "step": 0, "weights": None}]
         else:
-            build = (lambda *a: grpo_trainer(*a, grpo_lr)) if name == "grpo" else (lambda *a: ppo_trainer(name, *a))
+            build = ((lambda *a: grpo_trainer(*a, grpo_lr, ppo=name == "ppo_grpo_script"))
+                     if name in ("grpo", "ppo_grpo_script") else (lambda *a: ppo_trainer(name, *a)))
             trainer, policy, tokenizer, held_out, temperature, length = build(seed, budget, tmp, reward, [])
             trainer.add_callback(snapshot_callback(policy, reward, marks, snapshots))
             phases = PhaseSeconds()
@@ -184,6 +195,8 @@ def worker(name: str, seed: int, budget: int, out: str, held_out_size: int, grpo
     result = {"trainer": name, "seed": seed, "budget": budget, "held_out": len(held_out), "snapshots": runs}
     if name != "base":
         result["train_seconds"] = train_s
+        # the process's peak resident memory (the model load, training and the evaluations): Linux reports KiB
+        result["peak_rss_gib"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 2**20
         result["phase_seconds"] = phases.seconds
         history = [h for h in trainer.state.log_history if "loss" in h or "objective/scores" in h]
         result["log_history"] = history
@@ -203,7 +216,7 @@ def report(results: list[dict], out: str) -> str:
     lines = [f"Held-out accuracy of the untrained model: {base:.3f} ({first['held_out']} prompts, temperature 0.7).",
              "",
              "| trainer | seeds | accuracy at 1/3 | at 2/3 | at the end | completions drawn | training s | "
-             "s per 100 completions |", "|---|---|---|---|---|---|---|---|"]
+             "s per 100 completions | peak RSS GiB |", "|---|---|---|---|---|---|---|---|---|"]
     for name in TRAINERS:
         runs = [r for r in results if r["trainer"] == name]
         if not runs:
@@ -211,9 +224,11 @@ def report(results: list[dict], out: str) -> str:
         at = [[r["snapshots"][i]["accuracy"] for r in runs] for i in range(3)]
         drawn = [r["snapshots"][-1]["completions"] for r in runs]
         seconds = [r["train_seconds"] for r in runs]
+        peak = _spread([r["peak_rss_gib"] for r in runs]) if all("peak_rss_gib" in r for r in runs) else "-"
         lines.append(f"| {name} | {len(runs)} | {_spread(at[0])} | {_spread(at[1])} | {_spread(at[2])} | "
                      f"{statistics.mean(drawn):.0f} | {statistics.mean(seconds):.0f} | "
-                     f"{statistics.mean(s / d * 100 for s, d in zip(seconds, drawn)):.1f} |")
+                     f"{statistics.mean(s / d * 100 for s, d in zip(seconds, drawn)):.1f} | "
+                     f"{peak} |")
     table = "\n".join(lines) + "\n"
     with open(os.path.join(out, "results.md"), "w") as f:
         f.write(table)
@@ -225,7 +240,7 @@ def report(results: list[dict], out: str) -> str:
     except ImportError:
         return table
     fig, axes = plt.subplots(1, 2, figsize=(10, 4), sharey=True)
-    colours = {"grpo": "tab:orange", "ppo": "tab:blue", "ppo_vapo": "tab:green"}
+    colours = {"grpo": "tab:orange", "ppo": "tab:blue", "ppo_vapo": "tab:green", "ppo_grpo_script": "tab:purple"}
     for r in results:
         if r["trainer"] == "base":
             continue

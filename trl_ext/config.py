@@ -163,8 +163,9 @@ class PPOConfig(GRPONames, PPOConfigBase):
     value_trainable_layers: int | None = field(
         default=None,
         metadata={"help": "Train only the critic's top N decoder layers, its final norm and its head (-1: all of "
-                  "it; a Llama-style critic). Unset: 2 for a critic trl_ext makes (no value_model passed; its "
-                  "frozen lower layers are the reference's, computed once per rollout), all of a given one."},
+                  "it; a Llama-style critic). Unset: 6 (all if it has fewer) for a critic trl_ext makes (no "
+                  "value_model passed; its frozen lower layers are the reference's, computed once per rollout), all "
+                  "of a given one."},
     )
 
     # -- PPO variants and GRPO's knobs (`_check_ppo_variants`, docs/ppo-variants.md)
@@ -715,7 +716,7 @@ class PPOConfig(GRPONames, PPOConfigBase):
                f"critic_learning_rate={self.critic_learning_rate} must be > 0, or None to use learning_rate.")
         _check(self.value_trainable_layers is None or self.value_trainable_layers >= -1,
                f"value_trainable_layers={self.value_trainable_layers} must be >= 0 decoder layers, -1 (train all of "
-               "the critic) or None (2 for a critic made for you, all of a given one).")
+               "the critic) or None (6 for a critic made for you, all of a given one).")
 
     def _check_faults(self) -> None:
         """What a non-finite update does (docs/checkpoints.md)."""

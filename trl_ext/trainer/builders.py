@@ -294,9 +294,9 @@ def rewards(args, tokenizer, engine, reward_model, reward_processing_classes, ev
 
 
 # ------------------------------------------------------------------------------------------------ the models
-# The top decoder layers a critic made for you trains (value_trainable_layers unset): the SmolLM2 recipes' critic,
-# measured in docs/results.md ("The critic made for you"); its lower layers are the reference's (FrozenTrunk).
-MADE_CRITIC_LAYERS = 2
+# The top decoder layers a critic made for you trains (value_trainable_layers unset), measured on the quickstart
+# (docs/results.md, "The critic made for you"); its lower layers are the reference's (FrozenTrunk).
+MADE_CRITIC_LAYERS = 6
 
 
 def critic(args, shared, value_model, policy, peft_config, scorer: RewardScorer, tokenizer):
