@@ -74,6 +74,7 @@ class ScriptArguments(arithmetic.ScriptArguments):
 # the arithmetic recipe's learning rate, temperature and β; padding-free passes.
 RECIPE_DEFAULTS = dict(
     **CPU_DEFAULTS,
+    value_trainable_layers=2,  # arithmetic.build_trainer's critic: its top 2 decoder layers, final norm and head
     output_dir="runs/multiturn",
     total_episodes=256,
     per_device_train_batch_size=8,
