@@ -59,8 +59,9 @@ PHASES = {"generation": "generation (KV cache)", "policy_and_value": "scoring: p
           "reference": "scoring: reference forward", "reward": "scoring: reward forward", "update": "training step"}
 
 
-def plan_of(name: str) -> PlanConfig:
-    return PlanConfig(**{**COMMON, **CONFIGS[name]})
+def plan_of(name: str, **common) -> PlanConfig:
+    """Configuration `name`'s plan; `common` replaces its values (the tests' shorter sequences)."""
+    return PlanConfig(**{**COMMON, **CONFIGS[name], **common})
 
 
 # ---------------------------------------------------------------------------------------------------- one run
@@ -77,7 +78,7 @@ def _save_models(folder: str, shape: ModelShape) -> None:
     LlamaForCausalLM(config).save_pretrained(folder)
 
 
-def _worker(name: str) -> dict:
+def _worker(name: str, **common) -> dict:
     """Train two iterations of configuration `name` under the live-bytes counter; its phase peaks and static bytes."""
     import torch
 
@@ -88,7 +89,7 @@ def _worker(name: str) -> dict:
     from trl_ext.scripts.qlora import build_models
     from trl_ext.tools.live_memory import LiveTensorBytes, PhasePeaks
 
-    plan, shape = plan_of(name), SHAPE
+    plan, shape = plan_of(name, **common), SHAPE
     work = tempfile.mkdtemp(prefix="validate_memory_")
     _save_models(os.path.join(work, "base"), shape)
     tokenizer = _tokenizer(shape.vocab_size)
@@ -132,18 +133,18 @@ def _worker(name: str) -> dict:
     return {"phases": peaks.peaks[-1], "static": static[-1]}
 
 
-def measure(name: str) -> dict:
+def measure(name: str, **common) -> dict:
     """The worker's figures for `name`, from a fresh subprocess (nothing allocated before it)."""
     env = {**os.environ, "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "2"), "TOKENIZERS_PARALLELISM": "false"}
-    out = subprocess.run([sys.executable, __file__, "--child", name], capture_output=True, text=True, env=env,
-                         timeout=900, cwd=ROOT)
+    argv = [sys.executable, __file__, "--child", name, "--common", json.dumps(common)]
+    out = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=900, cwd=ROOT)
     if out.returncode != 0:
         raise RuntimeError(f"{name}: the measuring subprocess failed:\n{out.stderr[-3000:]}")
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
-def compare(name: str, measured: dict) -> dict:
-    plan = plan_of(name)
+def compare(name: str, measured: dict, **common) -> dict:
+    plan = plan_of(name, **common)
     est = estimate_memory(SHAPE, plan)
     by_name = {p.name.split(" (")[0] if p.name.startswith("training") else p.name: p for p in est.phases}
     static = est.static_bytes
@@ -173,8 +174,8 @@ def format_report(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
-def validate(names=None) -> list[dict]:
-    return [compare(n, measure(n)) for n in (names or CONFIGS)]
+def validate(names=None, **common) -> list[dict]:
+    return [compare(n, measure(n, **common), **common) for n in (names or CONFIGS)]
 
 
 def main(argv=None) -> int:
@@ -182,9 +183,10 @@ def main(argv=None) -> int:
     parser.add_argument("--only", nargs="*", choices=sorted(CONFIGS))
     parser.add_argument("--json")
     parser.add_argument("--child", help=argparse.SUPPRESS)
+    parser.add_argument("--common", default="{}", help=argparse.SUPPRESS)
     opts = parser.parse_args(argv)
     if opts.child:
-        print(json.dumps(_worker(opts.child)))
+        print(json.dumps(_worker(opts.child, **json.loads(opts.common))))
         return 0
     results = validate(opts.only)
     print(format_report(results))

@@ -46,6 +46,7 @@ from trl_ext.scripts import CPU_DEFAULTS, LORA_DEFAULTS, clear_run_files, load_d
 from trl_ext.scripts import parse_args as parse_recipe_args
 
 SAMPLES_FILE, SUMMARY_FILE = "samples_before_after.jsonl", "summary.json"
+HELD_OUT = 16  # the shipped held-out prompts (trl_ext.scripts.sentiment)
 # Files of an earlier run into the same folder that this run rewrites
 RUN_FILES = ("metrics.jsonl", "samples.jsonl", SAMPLES_FILE, "dashboard.png", SUMMARY_FILE)
 
@@ -59,12 +60,17 @@ class ScriptArguments:
     eval_repeats: int = field(
         default=2, metadata={"help": "Completions per held-out prompt in each evaluation (each with its own random "
                              "numbers, paired between policy and reference)."})
+    held_out_size: int = field(default=HELD_OUT, metadata={
+        "help": f"Held-out prompts evaluated and sampled before/after: the first N of the {HELD_OUT}."})
     write_report: bool = field(default=True, metadata={
         "help": "Write dashboard.png with trl_ext.monitoring.report at the end."})
 
     def __post_init__(self):
         if self.eval_repeats < 1:
             raise ValueError(f"eval_repeats={self.eval_repeats} must be >= 1 (completions per held-out prompt).")
+        if not 1 <= self.held_out_size <= HELD_OUT:
+            raise ValueError(f"held_out_size={self.held_out_size} must be in [1, {HELD_OUT}] (the shipped held-out "
+                             "prompts).")
 
 
 # 14 PPO steps of 16 rollouts (3.5 passes over the 64 training prompts), the first 2 training only the critic (its
@@ -142,7 +148,8 @@ def main(argv: list[str] | None = None) -> dict:
         reward_model=vader_reward,
         train_dataset=prompt_dataset("train", script_args.instruction),
         value_model=None,  # made for you: the policy's backbone, its top value_trainable_layers trained
-        eval_dataset=prompt_dataset("test", script_args.instruction, script_args.eval_repeats),
+        eval_dataset=prompt_dataset("test", script_args.instruction, script_args.eval_repeats).select(
+            range(script_args.held_out_size * script_args.eval_repeats)),  # each prompt's repeats in a row
         peft_config=get_peft_config(model_args),
     )
     main_process, out = trainer.is_world_process_zero(), Path(args.output_dir)
@@ -163,7 +170,7 @@ def main(argv: list[str] | None = None) -> dict:
     if summary["steps"] and not any("eval/win_rate_vs_ref" in e for e in trainer.state.log_history):
         # evaluation switched off on the command line (--eval_strategy no): evaluate once now
         summary.update({k: v for k, v in run_summary([trainer.evaluate_policy()]).items() if k.startswith("eval")})
-    held_out_prompts = prompt_dataset("test", script_args.instruction)
+    held_out_prompts = prompt_dataset("test", script_args.instruction).select(range(script_args.held_out_size))
     samples = trainer.paired_completions(held_out_prompts, seed=args.seed + 1)
     held_out = [row["prompt"][0]["content"] for row in held_out_prompts]
     for record, prompt in zip(samples, held_out):

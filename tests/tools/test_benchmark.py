@@ -189,6 +189,7 @@ def test_scale_out_benchmark_measures_the_sharding(tmp_path):
     assert ddp["seconds_per_iteration"] > 0 and "| zero2 (DEEPSPEED) |" in (tmp_path / "results.md").read_text()
 
 
+@pytest.mark.slow
 def test_ppo_variants_benchmark_runs_and_reads_each_variants_diagnostic(tmp_path):
     """benchmarks/ppo_variants.py end to end on two variants, one seed, 3 iterations: its table holds both rows, and
     the dual-clip row reports its clip fraction while the defaults' row has none to report."""

@@ -41,6 +41,7 @@ def step_faults(mode: str) -> list[int]:
     return json.loads(out.stdout.strip().splitlines()[-1])
 
 
+@pytest.mark.slow
 def test_kept_memory_stops_the_page_faults_of_each_step():
     default, kept = step_faults("default"), step_faults("keep")
     steps_default, steps_kept = sorted(default[2:]), sorted(kept[2:])  # after the first two steps grow the heap
@@ -98,6 +99,7 @@ print(json.dumps(faults))
 """
 
 
+@pytest.mark.slow
 def test_blocks_up_to_the_largest_parameter_are_kept():
     def run(largest):
         out = subprocess.run([sys.executable, "-c", LARGE_STEPS, str(largest)], capture_output=True, text=True,
