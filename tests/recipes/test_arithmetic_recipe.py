@@ -47,8 +47,9 @@ def test_the_time_budget_stops_training():
 
 @pytest.mark.slow
 def test_the_recipe_runs_end_to_end(tmp_path):
-    summary = recipe.main(["--output_dir", str(tmp_path), "--total_episodes", "16", "--held_out_size", "16",
-                           "--num_generations", "4", "--dynamic_sampling", "true", "--max_num_gen_batches", "2"])
+    summary = recipe.main(["--output_dir", str(tmp_path), "--total_episodes", "16", "--held_out_size", "8",
+                           "--num_generations", "4", "--dynamic_sampling", "true", "--max_num_gen_batches", "2",
+                           "--num_ppo_epochs", "1"])
     assert summary["steps"] == 2 and summary["episodes"] == 16
     assert 0 <= summary["accuracy_before"] <= 1 and 0 <= summary["accuracy_after"] <= 1
     assert (tmp_path / "adapter_model.safetensors").exists()
