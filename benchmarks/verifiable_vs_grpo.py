@@ -28,6 +28,8 @@ Trainers (their settings beyond the shared ones):
 - `ppo_vapo`: the recipe with VAPO's ingredients (Yue et al. 2025): num_generations 4, dynamic sampling (at most 3
   draws), decoupled λ (λ_value 1.0), clip-higher (0.28), and value pretraining until the explained variance reaches
   0.2 (at most 4 iterations).
+- `ppo_grpo_script`: the `grpo` run's script with its two class names changed to trl_ext's `PPOConfig` and
+  `PPOTrainer`: PPO's defaults where the script sets nothing, the critic and the reference made for it.
 """
 
 from __future__ import annotations
