@@ -556,6 +556,9 @@ if __name__ == "__main__":
     parser.add_argument("--runs", default="matched")
     cli = parser.parse_args()
     for name in cli.runs.split(","):
+        started = time.perf_counter()
         run(name, cli.out)
+        if int(os.environ.get("RANK", "0")) == 0:
+            print(f"run {name}: {time.perf_counter() - started:.1f} s", flush=True)
     if int(os.environ.get("RANK", "0")) == 0:
         print("RUNS DONE")
