@@ -6,8 +6,14 @@ accelerate 1.15 treats these engines as GPU-only on CPU, although both run there
   MULTI_CPU there (what `--cpu` would give), and DeepSpeed's plugin keeps the run a DeepSpeed run.
 - FSDP: `AcceleratorState` turns an FSDP config into MULTI_CPU (DDP) on CPU: the patch keeps the FSDP plugin and
   the FSDP distributed type, and FSDP2's `fully_shard` then shards over a gloo CPU mesh.
+And one that saves time: DeepSpeed on CPU compiles its shared-memory all-reduce op (`deepspeed.comm.torch.build_shm_op`,
+~2 minutes on 2 cores, again for every new virtual environment) although only its `inference_all_reduce`
+(tensor-parallel inference) uses it; ZeRO's training collectives are torch.distributed's, over gloo here. Under a
+DeepSpeed launch the op is not built.
 Nothing in trl_ext depends on these patches; on GPUs accelerate needs none of them.
 """
+
+import os
 
 import accelerate.state as state
 from accelerate.utils import DistributedType
@@ -37,3 +43,9 @@ def _accelerator_state_init_fsdp(self, *args, fsdp_plugin=None, **kwargs):
 
 state.PartialState._prepare_backend = _prepare_backend_cpu
 state.AcceleratorState.__init__ = _accelerator_state_init_fsdp
+
+if os.environ.get("ACCELERATE_USE_DEEPSPEED") == "true":
+    import importlib
+
+    # (by its module name: the attribute deepspeed.comm.torch is the torch package, which deepspeed.comm imports)
+    importlib.import_module("deepspeed.comm.torch").build_shm_op = lambda: None  # inference_all_reduce: torch's

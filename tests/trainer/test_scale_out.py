@@ -33,8 +33,8 @@ One `accelerate launch` per engine runs tests/scripts/ddp_runs.py's runs in the 
   of its own, first: `kill_inside_a_save`).
 
 accelerate 1.15 runs neither DeepSpeed nor FSDP on CPU processes by itself; `tests/scripts/engine_shim.py` (imported
-by the launched script only) patches the two places, see its docstring. DeepSpeed compiles one op the first time
-(about 85 s, then cached).
+by the launched script only) patches the two places, see its docstring (and skips compiling DeepSpeed's
+shared-memory all-reduce op, which only DeepSpeed's tensor-parallel inference uses).
 """
 
 import os
