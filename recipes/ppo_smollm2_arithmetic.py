@@ -29,6 +29,7 @@ import random
 import re
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from transformers import TrainerCallback
 from trl import ModelConfig, get_peft_config
@@ -106,6 +107,9 @@ class ScriptArguments:
         default=None, metadata={"help": "Stop training after this many seconds (checked after each PPO step)."})
     eval_before: bool = field(default=True, metadata={"help": "Measure the held-out accuracy before training too."})
     held_out_size: int = field(default=HELD_OUT, metadata={"help": f"Held-out prompts evaluated (at most {HELD_OUT})."})
+    write_datasets: str | None = field(default=None, metadata={
+        "help": "Write the train and held-out prompts to this folder (train.jsonl, test.jsonl) and exit: a dataset "
+                "for `trl-ext ppo --dataset_name FOLDER` (README, \"From GRPO to PPO\")."})
 
 
 # 40 PPO steps of 8 completions of at most 16 tokens, temperature 0.7 (at 1.0 the model's answers are near-random),
@@ -167,6 +171,13 @@ def build_trainer(script_args, args, model_args, reward=correct, callbacks=(), *
 
 def main(argv: list[str] | None = None) -> dict:
     script_args, args, model_args = parse_args((ScriptArguments, PPOConfig, ModelConfig), RECIPE_DEFAULTS, argv)
+    if script_args.write_datasets:
+        files = {}
+        for split, dataset in zip(("train", "test"), build_datasets()):
+            files[split] = str(Path(script_args.write_datasets) / f"{split}.jsonl")
+            dataset.to_json(files[split])
+            print(f"[recipe] {len(dataset)} {split} prompts written to {files[split]}")
+        return files
     trainer, held_out = build_trainer(script_args, args, model_args)
     held_out = held_out.select(range(min(script_args.held_out_size, len(held_out))))
     policy, tokenizer = trainer.unwrapped.policy, trainer.processing_class

@@ -129,6 +129,8 @@ def test_a_run_writes_its_run_folder_and_a_progress_bar(tmp_path, capsys):
     lines = [json.loads(line) for line in (tmp_path / "metrics.jsonl").read_text().splitlines()]
     steps = [line for line in lines if "objective/scores" in line]
     assert [line["step"] for line in steps] == [1, 2, 3]
+    # one line per PPO step: the end-of-training entry (log_history's last, train_loss) is not one
+    assert "train_loss" in t.state.log_history[-1] and not any("train_loss" in line for line in lines)
     for key in ("val/explained_variance", "val/value_error", "rollout/response_length_mean",
                 "rollout/truncation_rate", "policy/ratio_first_minibatch", "policy/grad_norm", "val/grad_norm",
                 "objective/kl_coef", "objective/scores_min", "objective/scores_max", "objective/scores_std"):

@@ -30,6 +30,22 @@ def test_the_split_holds_every_pair_once():
     assert list(recipe.build_datasets()[1]["prompt"]) == list(held_out["prompt"])  # the same split every time
 
 
+def test_the_prompts_written_for_trl_ext_ppo_load_as_its_dataset_and_reward(tmp_path, monkeypatch):
+    """The README's `trl-ext ppo` arithmetic command: --write_datasets, then --dataset_name FOLDER (TRL's
+    load_dataset of a folder: train and test splits by file name) and --reward_funcs by dotted path from the root."""
+    from datasets import load_dataset
+
+    from trl_ext.scripts.ppo import PPOScriptArguments, reward_functions
+
+    recipe.main(["--write_datasets", str(tmp_path / "data")])
+    loaded = load_dataset(str(tmp_path / "data"))
+    for split, built in zip(("train", "test"), recipe.build_datasets()):
+        assert loaded[split]["prompt"] == built["prompt"] and loaded[split]["answer"] == built["answer"]
+    monkeypatch.chdir(ROOT)
+    (reward,) = reward_functions(PPOScriptArguments(reward_funcs=["recipes.ppo_smollm2_arithmetic.correct"]))
+    assert reward.__module__ == "recipes.ppo_smollm2_arithmetic" and reward(["8 + 9 = 17"], [17]) == [1.0]
+
+
 def test_the_time_budget_stops_training():
     from transformers import TrainerControl, TrainerState
 

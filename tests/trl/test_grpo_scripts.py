@@ -103,6 +103,10 @@ def test_ppos_own_call_and_grpos_call_build_the_same_trainer(model_dir, tmp_path
     want = sum(h["loss/policy_avg"] + 0.1 * h["loss/value_avg"] for h in logs) / 2
     assert len(logs) == 2 and outputs[0].metrics["train_loss"] == pytest.approx(want, rel=1e-12)
     assert outputs[0].global_step == 2 and outputs[0].training_loss == outputs[1].training_loss
+    # and logged last, as transformers' Trainer (GRPOTrainer) does: `trainer.state.log_history[-1]["train_loss"]`
+    for trainer, output in zip((grpo, ppo), outputs):
+        assert trainer.state.log_history[-1] == {**output.metrics, "step": 2}
+        assert [h for h in trainer.state.log_history if "train_loss" in h] == trainer.state.log_history[-1:]
     for role in ("policy", "value_model"):
         a, b = getattr(grpo.unwrapped, role).state_dict(), getattr(ppo.unwrapped, role).state_dict()
         assert all(torch.equal(a[name], b[name]) for name in a), role

@@ -19,6 +19,7 @@ import os
 from transformers import TrainerCallback
 
 METRICS_FILE = "metrics.jsonl"
+TRAIN_SUMMARY_KEY = "train_runtime"  # in the entry that train() logs last, as transformers' Trainer does
 SAMPLES_FILE = "samples.jsonl"
 
 
@@ -44,6 +45,7 @@ class MetricsFileCallback(TrainerCallback):
         output_dir: folder for the file; default: the trainer's ``args.output_dir``. Created if missing.
         filename: name of the file inside the folder (default ``metrics.jsonl``).
 
+    One line per PPO step: the entry `train()` logs last (`train_loss`, `train_runtime`, ...) is not written.
     Only the world process zero writes. The file is appended to (a rerun into the same folder adds lines) and each
     line is flushed as it is written, so the file can be followed during training. Numbers are written as JSON
     numbers; NaN/inf become ``null``.
@@ -58,8 +60,8 @@ class MetricsFileCallback(TrainerCallback):
         return os.path.join(self.output_dir if self.output_dir is not None else args.output_dir, self.filename)
 
     def on_log(self, args, state, control, logs=None, **kwargs):
-        if not state.is_world_process_zero or not logs:
-            return
+        if not state.is_world_process_zero or not logs or TRAIN_SUMMARY_KEY in logs:
+            return  # (the end-of-training entry, TrainOutput's metrics, is not a PPO step's)
         path = self.path(args)
         record = {key: _jsonable(value) for key, value in logs.items()}
         record["step"] = state.global_step

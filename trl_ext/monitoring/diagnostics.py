@@ -20,7 +20,8 @@ from ..core.types import Rollout, UpdateStats
 
 Gather = Callable[[torch.Tensor], torch.Tensor]  # (B, k) on each process -> (B·processes, k)
 WALL_CLOCK_KEYS = ("eps", "perf/tokens_per_second", "perf/rollout_wait_s",  # metrics of time: a repeated run
-                   "perf/sampler_weight_wait_s")  # logs other values
+                   "perf/sampler_weight_wait_s",  # logs other values
+                   "train_runtime", "train_samples_per_second", "train_steps_per_second")  # train()'s last entry
 
 
 def _identity(t: torch.Tensor) -> torch.Tensor:

@@ -423,17 +423,20 @@ class PPOTrainer(PPOTrainerBase):
                 self._train_loop(progress, start_time, start_episode, preemption)
             progress.close()
             self.phases.listeners.remove(progress)
+            output = self._train_output(start_step, time.time() - start_time)
+            self.log(dict(output.metrics))  # the last log_history entry, as transformers' Trainer (GRPO) logs it
             self.control = self.callback_handler.on_train_end(args, self.state, self.control)
             if self.control.should_save:  # (a run stopped early: the sampler's older draws still go in)
                 self._save_checkpoint(self.model, trial=None)
                 self.control = self.callback_handler.on_save(args, self.state, self.control)
         finally:
             self.rollouts.close()  # (async: the sampler stops after its current draw)
-        return self._train_output(start_step, time.time() - start_time)
+        return output
 
     def _train_output(self, start_step: int, seconds: float) -> TrainOutput:
-        """What transformers' Trainer.train returns (GRPO scripts log and save its metrics): `train_loss` is the
-        mean over this call's iterations of the loss PPO minimised, loss/policy_avg + vf_coef x loss/value_avg."""
+        """What transformers' Trainer.train returns and logs last (GRPO scripts read and save its metrics):
+        `train_loss` is the mean over this call's iterations of the loss PPO minimised, loss/policy_avg + vf_coef x
+        loss/value_avg."""
         steps = [h for h in self.state.log_history if "loss/policy_avg" in h and h.get("step", 0) > start_step]
         losses = [h["loss/policy_avg"] + h.get("val/vf_coef", self.args.vf_coef) * h["loss/value_avg"] for h in steps]
         loss = sum(losses) / len(losses) if losses else float("nan")
