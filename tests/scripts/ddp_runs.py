@@ -555,10 +555,11 @@ if __name__ == "__main__":
     parser.add_argument("--out", required=True)
     parser.add_argument("--runs", default="matched")
     cli = parser.parse_args()
+    main_process = int(os.environ.get("RANK", "0")) == 0
     for name in cli.runs.split(","):
         started = time.perf_counter()
         run(name, cli.out)
-        if int(os.environ.get("RANK", "0")) == 0:
+        if main_process:
             print(f"run {name}: {time.perf_counter() - started:.1f} s", flush=True)
-    if int(os.environ.get("RANK", "0")) == 0:
+    if main_process:
         print("RUNS DONE")

@@ -7,7 +7,7 @@ accelerate 1.15 treats these engines as GPU-only on CPU, although both run there
 - FSDP: `AcceleratorState` turns an FSDP config into MULTI_CPU (DDP) on CPU: the patch keeps the FSDP plugin and
   the FSDP distributed type, and FSDP2's `fully_shard` then shards over a gloo CPU mesh.
 And one that saves time: DeepSpeed on CPU compiles its shared-memory all-reduce op (`deepspeed.comm.torch.build_shm_op`,
-~2 minutes on 2 cores, again for every new virtual environment) although only its `inference_all_reduce`
+again for every new virtual environment) although only its `inference_all_reduce`
 (tensor-parallel inference) uses it; ZeRO's training collectives are torch.distributed's, over gloo here. Under a
 DeepSpeed launch the op is not built.
 Nothing in trl_ext depends on these patches; on GPUs accelerate needs none of them.
